@@ -1,0 +1,1 @@
+"""grpo-pipeline: GRPO (DeepSeekMath) training as DVC stages."""

@@ -1,0 +1,3 @@
+from grpo_pipeline.cli import main
+
+main()

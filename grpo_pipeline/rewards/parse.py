@@ -1,0 +1,203 @@
+"""Answer and number parsing, vectorised (polars expressions) with a per-row twin.
+
+The accuracy reward's fast path lives here.  Both sides of a comparison (the text
+inside ``<answer>…</answer>`` and the reference) go through the same steps:
+
+1. :func:`normalize_expr` – full-width digits and punctuation to ASCII
+   (``１２`` -> ``12``, ``，`` -> ``,``, ``。`` -> space, ``÷`` -> ``/``, ``−`` -> ``-``),
+   and light LaTeX: ``\\frac{5}{3}`` / ``\\dfrac`` / ``\\tfrac`` of plain numbers -> ``5/3``;
+   the wrappers ``\\boxed{…}``, ``\\text{…}``, ``\\mathrm{…}``, ``\\mbox{…}``, ``\\fbox{…}``
+   dropped; ``\\$``, ``\\%``, ``\\,``, ``\\!``, ``\\;``, ``{,}``, ``\\approx`` simplified.
+2. :data:`PLAIN_NUMBER_RE` – the whole string is *one* number (optionally a
+   fraction ``a/b``) with a sign, a currency sign (``$ ¥ € £``), thousands
+   separators (``1,234``), and any prefix / suffix made of words, units and
+   punctuation (``约``, ``about``, ``≈``, ``x =``, ``元``, ``yuan``, ``pencils``,
+   ``元/支``, ``%``).  Prefix and suffix may not hold digits nor the characters
+   ``\\ { } ^ _ ( ) [ ] √ π + - *`` (and the prefix no ``/``): those mean an
+   expression, left to math-verify.
+
+Tolerance rule (:func:`numbers_match_expr`), with ``p`` the prediction and ``r``
+the reference:
+
+- ``p`` matches ``r`` when ``|p - r| <= rel_tol * max(|p|, |r|)``, or
+- when ``r`` is written with ``d >= 1`` decimals (``"1.67"``: d = 2) and ``p``
+  rounded to ``d`` decimals (ties away from zero) equals ``r``: "5/3", "1.667",
+  "1.670" match "1.67"; "1.7" and "1.675" do not.  Integer and fraction
+  references use ``rel_tol`` only ("12.4" does not match "12").
+
+Float noise at the rounding boundary is absorbed by ``1e-6`` of the half unit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import polars as pl
+
+__all__ = [
+    "PLAIN_NUMBER_RE",
+    "ParsedNumber",
+    "extract_answer_expr",
+    "normalize_expr",
+    "normalize_text",
+    "number_fields_expr",
+    "numbers_match",
+    "numbers_match_expr",
+    "parse_number",
+]
+
+# ------------------------------------------------------------------ normalisation
+# Character-for-character replacements (each keeps one character -> one character,
+# so they are safe on text whose char offsets matter, see steps.py).
+_FULLWIDTH = {chr(0xFF10 + i): str(i) for i in range(10)}
+CHAR_MAP: dict[str, str] = {
+    **_FULLWIDTH,
+    "．": ".", "，": ",", "：": ":", "；": ";", "－": "-", "−": "-", "–": "-", "＋": "+",
+    "／": "/", "÷": "/", "＄": "$", "￥": "¥", "％": "%", "（": "(", "）": ")", "＝": "=",
+    "　": " ", "。": " ", "＊": "*", "﹣": "-",
+}
+_FROM = list(CHAR_MAP)
+_TO = [CHAR_MAP[k] for k in _FROM]
+
+_NUM_ARG = r"\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)\s*"
+# (pattern, polars replacement, python replacement)
+_LATEX_RULES: list[tuple[str, str, str]] = [
+    (r"\\[dt]?frac\{" + _NUM_ARG + r"\}\{" + _NUM_ARG + r"\}", "${1}/${2}", r"\1/\2"),
+    (r"\\(?:boxed|text|textbf|textrm|mathrm|mbox|fbox)\s*\{", "", ""),
+    (r"\\(?:left|right)\b", "", ""),
+    (r"\\approx", "≈", "≈"),
+    (r"\\([$%])", "${1}", r"\1"),
+    (r"\\[,;!: ]", "", ""),
+    (r"\{,\}", ",", ","),
+]
+_LATEX_RULES_PY = [(re.compile(p), py) for p, _, py in _LATEX_RULES]
+
+
+def normalize_expr(e: pl.Expr) -> pl.Expr:
+    """Normalise answer text (see the module docstring, step 1); braces are dropped
+    only when no backslash command is left, so ``\\sqrt{2}`` stays unparseable."""
+    e = e.str.replace_many(_FROM, _TO)
+    for pat, repl, _ in _LATEX_RULES:
+        e = e.str.replace_all(pat, repl)
+    braces_free = e.str.replace_all(r"[{}]", "")
+    e = pl.when(e.str.contains("\\", literal=True)).then(e).otherwise(braces_free)
+    return e.str.strip_chars()
+
+
+def normalize_text(s: str) -> str:
+    """Per-row twin of :func:`normalize_expr`."""
+    s = "".join(CHAR_MAP.get(ch, ch) for ch in s)
+    for pat, repl in _LATEX_RULES_PY:
+        s = pat.sub(repl, s)
+    if "\\" not in s:
+        s = s.replace("{", "").replace("}", "")
+    return s.strip()
+
+
+# ------------------------------------------------------------------ plain numbers
+_INT = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"
+_NUM = rf"(?:{_INT}(?:\.[0-9]+)?|\.[0-9]+)"
+_BAD = r"0-9\\{}^_()\[\]√π+\-*"
+#: One number in the whole string; groups ``sign``, ``num``, ``den`` (same syntax in
+#: Python ``re`` and polars' Rust regex).
+PLAIN_NUMBER_RE = (
+    rf"^[^{_BAD}/]*?(?P<sign>[-+]?)\s*[$¥€£]?\s*(?P<num>{_NUM})"
+    rf"(?:\s*/\s*(?P<den>{_NUM}))?[^{_BAD}]*$"
+)
+_PLAIN_PY = re.compile(PLAIN_NUMBER_RE, re.S)
+
+
+@dataclass(frozen=True)
+class ParsedNumber:
+    """A plain number: its value and its decimals (None for a fraction)."""
+
+    value: float
+    decimals: int | None
+
+
+def number_fields_expr(norm: pl.Expr) -> tuple[pl.Expr, pl.Expr]:
+    """``(value Float64, decimals Int32)`` of normalised text; value null when the
+    text is not one plain number (or is a fraction with a zero denominator)."""
+    g = norm.str.extract_groups(PLAIN_NUMBER_RE)
+    num = g.struct.field("num")
+    den = g.struct.field("den")
+    numv = num.str.replace_all(",", "", literal=True).cast(pl.Float64, strict=False)
+    denv = den.str.replace_all(",", "", literal=True).cast(pl.Float64, strict=False)
+    sign = pl.when(g.struct.field("sign") == "-").then(-1.0).otherwise(1.0)
+    value = pl.when(den.is_null()).then(numv).otherwise(numv / denv) * sign
+    value = pl.when(value.is_finite()).then(value)
+    frac_digits = num.str.extract(r"\.([0-9]+)$", 1).str.len_chars().fill_null(0).cast(pl.Int32)
+    decimals = pl.when(den.is_null() & num.is_not_null()).then(frac_digits)
+    return value, decimals
+
+
+def parse_number(text: str) -> ParsedNumber | None:
+    """Per-row twin of :func:`number_fields_expr` on ``normalize_text(text)``.
+
+    >>> parse_number("约１.６７元")
+    ParsedNumber(value=1.67, decimals=2)
+    >>> parse_number("\\\\frac{5}{3}").decimals is None
+    True
+    """
+    m = _PLAIN_PY.match(normalize_text(text))
+    if m is None:
+        return None
+    num = float(m["num"].replace(",", ""))
+    sign = -1.0 if m["sign"] == "-" else 1.0
+    if m["den"] is None:
+        frac = m["num"].rpartition(".")[2] if "." in m["num"] else ""
+        return ParsedNumber(sign * num, len(frac))
+    den = float(m["den"].replace(",", ""))
+    if den == 0:
+        return None
+    return ParsedNumber(sign * num / den, None)
+
+
+# ------------------------------------------------------------------ comparison
+_TIE_SLACK = 1e-6  # share of the half unit that absorbs float noise at the boundary
+
+
+def numbers_match_expr(pred: pl.Expr, ref: pl.Expr, decimals: pl.Expr, *, rel_tol: float) -> pl.Expr:
+    """Boolean: ``pred`` matches ``ref`` by the tolerance rule (module docstring).
+
+    Null where either value is null.  ``decimals`` is the reference's (null or 0:
+    ``rel_tol`` only).
+    """
+    close = (pred - ref).abs() <= rel_tol * pl.max_horizontal(pred.abs(), ref.abs())
+    half = 0.5 * pl.lit(10.0).pow(-decimals.cast(pl.Float64))
+    s = pl.when(ref != 0).then(ref.sign()).when(pred != 0).then(pred.sign()).otherwise(1.0)
+    pa, ra = pred * s, ref * s  # fold to ra >= 0: ties round away from zero
+    eps = half * _TIE_SLACK
+    rounded = (ra - half <= pa + eps) & (pa < ra + half - eps)
+    use_round = decimals.fill_null(0) >= 1
+    return (pred == ref) | close | (use_round & rounded)
+
+
+def numbers_match(pred: float, ref: float, decimals: int | None, *, rel_tol: float) -> bool:
+    """Per-row twin of :func:`numbers_match_expr`."""
+    if not (math.isfinite(pred) and math.isfinite(ref)):
+        return False
+    if pred == ref or abs(pred - ref) <= rel_tol * max(abs(pred), abs(ref)):
+        return True
+    if not decimals:
+        return False
+    half = 0.5 * 10.0 ** (-decimals)
+    s = math.copysign(1.0, ref) if ref != 0 else (math.copysign(1.0, pred) if pred != 0 else 1.0)
+    pa, ra = pred * s, ref * s
+    eps = half * _TIE_SLACK
+    return ra - half <= pa + eps and pa < ra + half - eps
+
+
+# ------------------------------------------------------------------ answer tags
+ANSWER_RE = r"(?s)<answer>(.*?)</answer>"
+
+
+def extract_answer_expr(completion: pl.Expr) -> pl.Expr:
+    """Text inside the one ``<answer>…</answer>`` block, stripped; null when the
+    tags are missing, unbalanced or appear more than once."""
+    one = (completion.str.count_matches("<answer>", literal=True) == 1) & (
+        completion.str.count_matches("</answer>", literal=True) == 1
+    )
+    return pl.when(one).then(completion.str.extract(ANSWER_RE, 1).str.strip_chars())

@@ -1,0 +1,49 @@
+"""score@itN: rule rewards for every completion, streamed by row groups to the scores Parquet."""
+
+from __future__ import annotations
+
+import polars as pl
+import pyarrow as pa
+
+from grpo_pipeline import schemas
+from grpo_pipeline.config import RewardConfig
+from grpo_pipeline.rewards import score_frame
+from grpo_pipeline.run import summary
+
+SCORE_COLUMNS = ["iteration", "prompt_id", "sample_idx", "completion", "answer", "operation", "question"]
+
+
+def run(cfg: RewardConfig, *, rollouts: str, out: str, metrics_path: str | None, batch_rows: int = 65536) -> dict:
+    meta = {"rollouts": rollouts, "reward": cfg.model_dump()}
+    batches = schemas.iter_batches(rollouts, "rollouts", batch_rows=batch_rows, columns=SCORE_COLUMNS)
+    first = next(batches, None)
+    if first is None or first.height == 0:
+        raise ValueError(f"{rollouts}: no rollouts to score")
+    scored = _score(first, cfg)
+    extra = [pa.field(c, pa.float64()) for c in scored.columns if c.startswith("reward_") and c != "reward_error"]
+    with schemas.stream_writer(out, "scores", metadata=meta, extra_fields=extra) as write:
+        write(scored)
+        for batch in batches:
+            write(_score(batch, cfg))
+    metrics = reward_metrics(out)
+    summary(f"score@{first['iteration'][0]}", metrics, path=metrics_path)
+    return metrics
+
+
+def _score(batch: pl.DataFrame, cfg: RewardConfig) -> pl.DataFrame:
+    scored, _ = score_frame(batch, cfg)
+    return scored.with_columns(iteration=pl.lit(batch["iteration"][0]))
+
+
+def reward_metrics(scores_path: str) -> dict:
+    """Mean and std of every reward component, and null / error counts, over the whole file."""
+    lf = pl.scan_parquet(scores_path)
+    cols = [c for c in lf.collect_schema().names() if c == "reward" or (c.startswith("reward_") and c != "reward_error")]
+    exprs = []
+    for c in cols:
+        name = c.removeprefix("reward_") if c != "reward" else "total"
+        exprs += [pl.col(c).mean().alias(f"{name}/mean"), pl.col(c).std(ddof=0).alias(f"{name}/std"),
+                  pl.col(c).null_count().alias(f"{name}/nulls")]
+    exprs += [pl.col("reward_error").is_not_null().sum().alias("errors"), pl.len().alias("completions")]
+    row = lf.select(exprs).collect().row(0, named=True)
+    return {k: (round(float(v), 6) if isinstance(v, float) else int(v or 0)) for k, v in row.items()}

@@ -1,0 +1,35 @@
+"""sft: SFT-format initialisation on template demonstrations, written as an HF checkpoint."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from grpo_pipeline import schemas
+from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint_metadata, save_checkpoint
+from grpo_pipeline.config import SFTConfig
+from grpo_pipeline.run import summary
+from grpo_pipeline.sft import build_demonstrations, train_sft
+
+
+def run(cfg: SFTConfig, *, base: str, prompts: str, out: str, metrics_path: str | None) -> dict:
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    problems = schemas.read_table(prompts, "prompts")
+    if cfg.max_examples:
+        problems = problems.head(cfg.max_examples)
+    tokenizer = load_tokenizer(base)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(base, dtype="float32", device=device)
+    demos = build_demonstrations(problems, tokenizer, max_length=cfg.max_length)
+    history = train_sft(model, demos, cfg, pad_id=pad_id)
+    save_checkpoint(model, tokenizer, out, metadata={**read_checkpoint_metadata(base), "parent": base,
+                                                      "sft": cfg.model_dump()})
+    k = max(1, len(history) // 5)
+    metrics = {"loss_first": round(sum(h["loss"] for h in history[:k]) / k, 4),
+               "loss_last": round(sum(h["loss"] for h in history[-k:]) / k, 4),
+               "steps": len(history), "examples": len(demos), "wall_s": round(time.perf_counter() - t0, 1)}
+    summary("sft", metrics, path=metrics_path)
+    return metrics
