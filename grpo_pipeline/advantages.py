@@ -25,9 +25,13 @@ Process supervision (``estimator="process"``, the spec's 002 text): every step `
 output ``i`` carries a reward; ``R`` is the set of all non-null step rewards of all outputs of
 the group, and ``r~_i^j = (r_i^j - mean(R)) / (std(R) + delta)`` with the same normaliser choice.
 Token ``t`` then gets ``A_it = sum over steps j ending at or after t of r~_i^j`` (gamma = 1), see
-:func:`token_advantages_from_steps` for the precise token rule. A null step reward gets value 0.
+:func:`token_advantages_from_steps` for the precise token rule. A null step reward is left out
+of ``R`` and gets value 0; a row without any non-null step reward (``steps`` null or empty)
+gets advantage 0 and ``adv_mask = False``. The outcome ``reward`` column is not used.
 
 Everything is vectorised (numpy ``bincount`` over integer group codes, no per-group loops).
+Groups written as contiguous runs (as the sampler does) take the fast path (~15 M rows/s on
+2 cores); interleaved groups cost a hash rank and cache-unfriendly gathers (~3-4 M rows/s).
 """
 
 from __future__ import annotations
@@ -41,26 +45,17 @@ import pyarrow as pa
 
 from grpo_pipeline.config import AdvantageConfig
 
-__all__ = [
-    "ESTIMATORS",
-    "NORMALISERS",
-    "compute_advantages",
-    "group_codes",
-    "normalise_grouped",
-    "pad_step_advantages",
-    "token_advantages_batched",
-    "token_advantages_from_steps",
-]
+__all__ = ["ESTIMATORS", "NORMALISERS", "compute_advantages", "group_codes", "normalise_grouped",
+           "pad_step_advantages", "token_advantages_batched", "token_advantages_from_steps"]
 
 STEP_ADV_DTYPE = pl.List(pl.Struct({"end": pl.Int32, "value": pl.Float64}))
 
 
 @dataclass(frozen=True)
 class Grouped:
-    """Values with their group codes and the per-group statistics every normaliser needs.
+    """Per-row ``values, codes, valid, dev`` (N,) and per-group ``count, mean, varies`` (n_groups,).
 
-    ``values``/``codes``/``valid``: ``(N,)``; ``count``/``mean``/``varies``: ``(n_groups,)``;
-    ``dev``: ``(N,)`` ``r - mean`` on valid rows of varying groups, exactly 0 elsewhere.
+    ``dev`` is ``r - mean`` on valid rows of groups whose values vary, exactly 0 elsewhere.
     """
 
     values: np.ndarray
@@ -165,9 +160,7 @@ def normalise_grouped(
     std : a name in ``NORMALISERS``.
     delta : added to the std (not for ``"none"``).
 
-    Returns
-    -------
-    (N,) float64 normalised values, and the :class:`Grouped` statistics.
+    Returns (N,) float64 normalised values, and the :class:`Grouped` statistics.
 
     Examples
     --------
@@ -180,9 +173,11 @@ def normalise_grouped(
     v = np.where(valid, values, 0.0)  # (N,)
     count = np.bincount(codes, weights=valid, minlength=n_groups)  # (n_groups,)
     mean = np.bincount(codes, weights=v, minlength=n_groups) / np.maximum(count, 1)
-    ref = np.zeros(n_groups)
-    all_valid = bool(valid.all())
-    ref[codes if all_valid else codes[valid]] = v if all_valid else v[valid]  # some valid member of each group: exact "all equal" test
+    ref = np.zeros(n_groups)  # some valid member of each group, for an exact "all equal" test
+    if valid.all():
+        ref[codes] = v
+    else:
+        ref[codes[valid]] = v[valid]
     differs = valid & (v != ref[codes])
     varies = np.bincount(codes, weights=differs, minlength=n_groups) > 0  # (n_groups,)
     keep = valid & varies[codes]
@@ -200,7 +195,7 @@ def _require(df: pl.DataFrame, col: str, kinds: tuple[type, ...], what: str) -> 
         raise ValueError(msg)
     if not isinstance(df.schema[col], kinds):
         msg = f"scores column {col!r} must be {what}, got {df.schema[col]}"
-        raise ValueError(msg)
+        raise TypeError(msg)
 
 
 def _row_name(df: pl.DataFrame, i: int) -> str:
@@ -331,13 +326,8 @@ def token_advantages_from_steps(
 
     Parameters
     ----------
-    step_ends : (K,) character end (exclusive) of each step.
-    step_values : (K,) normalised step rewards.
-    token_ends : (T,) character end of each token, non-decreasing.
-
-    Returns
-    -------
-    (T,) float64.
+    step_ends : (K,) character end (exclusive) of each step; step_values : (K,) normalised step rewards.
+    token_ends : (T,) character end of each token, non-decreasing. Returns (T,) float64.
 
     Examples
     --------
@@ -370,12 +360,9 @@ def token_advantages_batched(
     ----------
     step_ends : (B, K) int; step_values : (B, K) float; step_mask : (B, K) bool, False on padding
         (default: all True). Padded steps contribute nothing.
-    token_ends : (B, T) int, non-decreasing along T within the valid tokens; values after a
+    token_ends : (B, T) int >= 0, non-decreasing along T within the valid tokens; values after a
         row's last valid token are arbitrary (mask the result).
-
-    Returns
-    -------
-    (B, T) float64: row ``b`` equals ``token_advantages_from_steps`` of that row's valid steps.
+    Returns (B, T) float64: row ``b`` equals ``token_advantages_from_steps`` on its valid steps.
     """
     ends = np.asarray(step_ends, dtype=np.int64)
     vals = np.asarray(step_values, dtype=np.float64)

@@ -28,6 +28,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +231,7 @@ def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
         raise ValueError(msg) from None
     if not isinstance(meta, dict):
         msg = f"{str(file)!r} must hold a JSON object, got {type(meta).__name__}"
-        raise ValueError(msg)
+        raise ValueError(msg)  # noqa: TRY004 (bad file contents, not a bad argument)
     return meta
 
 
@@ -289,6 +290,17 @@ def _package_version(package: str | None) -> str | None:
         raise FileNotFoundError(msg) from None
 
 
+def _owning_package(path: Path) -> str | None:
+    """The installed distribution whose top-level package holds ``path``, if exactly one does."""
+    path = path.resolve()
+    for root in sorted({Path(e or ".").resolve() for e in sys.path}, key=lambda r: -len(r.parts)):
+        if root in path.parents and len(rel := path.relative_to(root).parts) > 1:
+            owners = set(importlib.metadata.packages_distributions().get(rel[0], []))
+            if len(owners) == 1:
+                return owners.pop()
+    return None
+
+
 def _recorded_path(path: Path, package: str | None) -> str:
     """The path to record: relative to site-packages for packaged files (machine-independent)."""
     if package is not None:
@@ -324,8 +336,9 @@ def import_base(
     dtype : {"float32", "bfloat16", "float16"}, default "float32"
         Dtype of the saved weights.
     package : str, optional
-        Distribution that ships ``gguf_path`` (see :func:`find_packaged_file`);
-        its version is recorded and the path is recorded relative to it.
+        Distribution that ships the source (see :func:`find_packaged_file`); its
+        version is recorded and the path is recorded relative to site-packages.
+        Default: detected from the path when it lies inside an installed package.
 
     Returns
     -------
@@ -347,6 +360,8 @@ def import_base(
         )
         raise ValueError(msg)
     torch_dtype = _torch_dtype(dtype)
+    if package is None:
+        package = _owning_package(Path(gguf_path if gguf_path is not None else hf_dir))
     version = _package_version(package)
     if gguf_path is not None:
         src = Path(gguf_path)

@@ -41,4 +41,8 @@ def rewrite(params_path: str | Path, n: int, *, eval_every: int = 1) -> None:
     path = Path(params_path)
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     head = text.split(MARKER)[0].rstrip("\n")
+    clash = [k for k in ("iterations:", "evaluations:") if any(ln.startswith(k) for ln in head.splitlines())]
+    if clash:
+        msg = f"{path}: has a hand-written {clash[0][:-1]!r} section above the generated table; remove it first"
+        raise ValueError(msg)
     write_text(path, (head + "\n\n" if head else "") + MARKER + "\n" + table(n, eval_every=eval_every))

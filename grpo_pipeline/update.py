@@ -187,7 +187,7 @@ def _accumulate(stats: dict[str, float], m: dict[str, torch.Tensor], loss: torch
                 b: Batch, *, weight: float) -> None:
     """Token/sequence-weighted averages of the micro-batch metrics over the minibatch."""
     mask = b.completion_mask.bool()
-    vals = {"loss": float(loss), "entropy": float(ent.detach()[mask].float().mean())}
+    vals = {"loss": float(loss.detach()), "entropy": float(ent.detach()[mask].float().mean())}
     vals.update({k: float(v) for k, v in m.items()})
     for k, v in vals.items():
         if k == "loss":

@@ -118,8 +118,9 @@ def test_permutation_within_group_permutes_advantages(rs, data, std):
 @pytest.mark.parametrize("value", [0.1, 1.0, -3.7, 0.0])
 def test_all_equal_group_is_zero_never_nan(std, delta, value):
     # 0.1 * 3 / 3 != 0.1 in floats: a std computed from the mean would be tiny, not 0
-    out = advantages({"q": [value] * 3, "all_equal_too": [5.0, 5.0]}, std=std, delta=delta)
-    assert out == {"q": [0.0] * 3, "all_equal_too": [0.0, 0.0]}
+    groups = {"q": [value] * 3, "with_nulls": [value, None, value, value, None], "all_equal_too": [5.0, 5.0]}
+    out = advantages(groups, std=std, delta=delta)
+    assert out == {"q": [0.0] * 3, "with_nulls": [0.0] * 5, "all_equal_too": [0.0, 0.0]}
 
 
 @pytest.mark.parametrize("std", STDS)
@@ -154,7 +155,7 @@ def test_nan_reward_names_the_row(bad):
     ],
 )
 def test_bad_frames_name_the_column(df, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         compute_advantages(df, AdvantageConfig())
 
 
@@ -250,6 +251,13 @@ def test_process_hand_example():
     tok = np.array([[4, 8, 14, 20], [5, 9, 13, 18], [3, 6, 9, 12]])
     got = token_advantages_batched(ends, vals, tok, step_mask=mask)
     assert got.tolist() == [[2, 2, 1, 0], [-2, -1, -1, 0], [0, 0, 0, 0]]
+
+
+def test_process_without_any_step_rewards():
+    df = process_frame().with_columns(pl.Series("steps", [None, [], None], dtype=pl.List(STEP)))
+    out, metrics = compute_advantages(df, AdvantageConfig(estimator="process", delta=0.0))
+    assert out["advantage"].to_list() == [0.0, 0.0, 0.0] and not out["adv_mask"].any()
+    assert out["step_advantages"].to_list() == [[], [], []] and metrics["advantage/steps"] == 0
 
 
 @pytest.mark.parametrize(("std", "divisor"), [("population", 0.5 + 1e-4), ("sample", math.sqrt(1 / 3) + 1e-4),

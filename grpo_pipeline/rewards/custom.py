@@ -48,7 +48,7 @@ def load_function(spec: str, *, what: str) -> Callable[..., Any]:
         raise ValueError(msg)
     if not callable(fn):
         msg = f"{what}: {spec!r} is a {type(fn).__name__}, not a function"
-        raise ValueError(msg)
+        raise ValueError(msg)  # noqa: TRY004 - a config error, like the others here
     return fn
 
 
@@ -105,7 +105,7 @@ def call_with_fallback(
             if len(one) != 1:
                 msg = f"returned {len(one)} values for 1 completion"
                 raise ValueError(msg)
-            values[i] = convert(list(one)[0], i)
+            values[i] = convert(next(iter(one)), i)
         except Exception as e:  # noqa: BLE001
             errors[i] = _error(name, e)
     return values, errors
@@ -120,7 +120,7 @@ def batch_columns(df: pl.DataFrame) -> dict[str, list[Any]]:
 def take(columns: dict[str, list[Any]], rows: list[int] | None) -> dict[str, list[Any]]:
     """The ``rows`` of every column (all of them for None)."""
     if rows is None:
-        return columns
+        return dict(columns)
     return {k: [v[i] for i in rows] for k, v in columns.items()}
 
 

@@ -3,7 +3,7 @@
 The accuracy reward's fast path lives here.  Both sides of a comparison (the text
 inside ``<answer>…</answer>`` and the reference) go through the same steps:
 
-1. :func:`normalize_expr` – full-width digits and punctuation to ASCII
+1. :func:`normalize_series` – full-width digits and punctuation to ASCII
    (``１２`` -> ``12``, ``，`` -> ``,``, ``。`` -> space, ``÷`` -> ``/``, ``−`` -> ``-``),
    and light LaTeX: ``\\frac{5}{3}`` / ``\\dfrac`` / ``\\tfrac`` of plain numbers -> ``5/3``;
    the wrappers ``\\boxed{…}``, ``\\text{…}``, ``\\mathrm{…}``, ``\\mbox{…}``, ``\\fbox{…}``
@@ -39,10 +39,10 @@ import polars as pl
 __all__ = [
     "PLAIN_NUMBER_RE",
     "ParsedNumber",
-    "extract_answer_expr",
-    "normalize_expr",
+    "extract_answer",
+    "normalize_series",
     "normalize_text",
-    "number_fields_expr",
+    "number_fields",
     "numbers_match",
     "numbers_match_expr",
     "parse_number",
@@ -75,19 +75,26 @@ _LATEX_RULES: list[tuple[str, str, str]] = [
 _LATEX_RULES_PY = [(re.compile(p), py) for p, _, py in _LATEX_RULES]
 
 
-def normalize_expr(e: pl.Expr) -> pl.Expr:
-    """Normalise answer text (see the module docstring, step 1); braces are dropped
-    only when no backslash command is left, so ``\\sqrt{2}`` stays unparseable."""
-    e = e.str.replace_many(_FROM, _TO)
-    for pat, repl, _ in _LATEX_RULES:
-        e = e.str.replace_all(pat, repl)
-    braces_free = e.str.replace_all(r"[{}]", "")
-    e = pl.when(e.str.contains("\\", literal=True)).then(e).otherwise(braces_free)
-    return e.str.strip_chars()
+def normalize_series(s: pl.Series) -> pl.Series:
+    """Normalise answer text (module docstring, step 1), vectorised.  The LaTeX
+    rules run only on the rows holding ``\\`` or ``{``; braces are dropped only when
+    no backslash command is left, so ``\\sqrt{2}`` stays unparseable."""
+    s = s.str.replace_many(_FROM, _TO)
+    idx = s.str.contains(r"[\\{]").arg_true()
+    if len(idx):
+        sub = s.gather(idx)
+        for pat, repl, _ in _LATEX_RULES:
+            sub = sub.str.replace_all(pat, repl)
+        sub = pl.select(
+            pl.when(pl.lit(sub).str.contains("\\", literal=True)).then(pl.lit(sub))
+            .otherwise(pl.lit(sub).str.replace_all(r"[{}]", ""))
+        ).to_series()
+        s = s.scatter(idx, sub)
+    return s.str.strip_chars()
 
 
 def normalize_text(s: str) -> str:
-    """Per-row twin of :func:`normalize_expr`."""
+    """Per-row twin of :func:`normalize_series`."""
     s = "".join(CHAR_MAP.get(ch, ch) for ch in s)
     for pat, repl in _LATEX_RULES_PY:
         s = pat.sub(repl, s)
@@ -106,7 +113,7 @@ PLAIN_NUMBER_RE = (
     rf"^[^{_BAD}/]*?(?P<sign>[-+]?)\s*[$¥€£]?\s*(?P<num>{_NUM})"
     rf"(?:\s*/\s*(?P<den>{_NUM}))?[^{_BAD}]*$"
 )
-_PLAIN_PY = re.compile(PLAIN_NUMBER_RE, re.S)
+_PLAIN_PY = re.compile(PLAIN_NUMBER_RE, re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -117,24 +124,41 @@ class ParsedNumber:
     decimals: int | None
 
 
-def number_fields_expr(norm: pl.Expr) -> tuple[pl.Expr, pl.Expr]:
-    """``(value Float64, decimals Int32)`` of normalised text; value null when the
-    text is not one plain number (or is a fraction with a zero denominator)."""
-    g = norm.str.extract_groups(PLAIN_NUMBER_RE)
-    num = g.struct.field("num")
-    den = g.struct.field("den")
-    numv = num.str.replace_all(",", "", literal=True).cast(pl.Float64, strict=False)
-    denv = den.str.replace_all(",", "", literal=True).cast(pl.Float64, strict=False)
-    sign = pl.when(g.struct.field("sign") == "-").then(-1.0).otherwise(1.0)
-    value = pl.when(den.is_null()).then(numv).otherwise(numv / denv) * sign
-    value = pl.when(value.is_finite()).then(value)
-    frac_digits = num.str.extract(r"\.([0-9]+)$", 1).str.len_chars().fill_null(0).cast(pl.Int32)
-    decimals = pl.when(den.is_null() & num.is_not_null()).then(frac_digits)
-    return value, decimals
+_SIMPLE_RE = r"^[0-9]+(?:\.[0-9]+)?$"
+
+
+def number_fields(norm: pl.Series) -> pl.DataFrame:
+    """``value`` (Float64) and ``decimals`` (Int32) of normalised text: value null
+    when the text is not one plain number (or a fraction with a zero denominator),
+    decimals null for fractions.  Bare decimals (the common case) skip the regex."""
+    simple = norm.str.contains(_SIMPLE_RE).fill_null(False)
+    dot = norm.str.find(".", literal=True)
+    out = pl.DataFrame({"n": norm, "simple": simple, "dot": dot}).select(
+        value=pl.when("simple").then(pl.col("n").cast(pl.Float64, strict=False)),
+        decimals=pl.when("simple").then(
+            pl.when(pl.col("dot").is_null()).then(0).otherwise(pl.col("n").str.len_bytes() - pl.col("dot") - 1)
+        ).cast(pl.Int32),
+    )
+    idx = (~simple & norm.is_not_null()).arg_true()
+    if not len(idx):
+        return out
+    g = norm.gather(idx).str.extract_groups(PLAIN_NUMBER_RE).struct.unnest()
+    num, den = pl.col("num"), pl.col("den")
+    clean = lambda e: e.str.replace_all(",", "", literal=True).cast(pl.Float64, strict=False)
+    hard = g.select(
+        value=pl.when(den.is_null()).then(clean(num)).otherwise(clean(num) / clean(den))
+        * pl.when(pl.col("sign") == "-").then(-1.0).otherwise(1.0),
+        decimals=pl.when(den.is_null() & num.is_not_null())
+        .then(num.str.extract(r"\.([0-9]+)$", 1).str.len_chars().fill_null(0))
+        .cast(pl.Int32),
+    ).with_columns(value=pl.when(pl.col("value").is_finite()).then("value"))
+    return out.with_columns(
+        value=out["value"].scatter(idx, hard["value"]), decimals=out["decimals"].scatter(idx, hard["decimals"])
+    )
 
 
 def parse_number(text: str) -> ParsedNumber | None:
-    """Per-row twin of :func:`number_fields_expr` on ``normalize_text(text)``.
+    """Per-row twin of :func:`number_fields` on ``normalize_text(text)``.
 
     >>> parse_number("约１.６７元")
     ParsedNumber(value=1.67, decimals=2)
@@ -191,13 +215,22 @@ def numbers_match(pred: float, ref: float, decimals: int | None, *, rel_tol: flo
 
 
 # ------------------------------------------------------------------ answer tags
-ANSWER_RE = r"(?s)<answer>(.*?)</answer>"
-
-
-def extract_answer_expr(completion: pl.Expr) -> pl.Expr:
+def extract_answer(completion: pl.Series) -> pl.Series:
     """Text inside the one ``<answer>…</answer>`` block, stripped; null when the
-    tags are missing, unbalanced or appear more than once."""
-    one = (completion.str.count_matches("<answer>", literal=True) == 1) & (
-        completion.str.count_matches("</answer>", literal=True) == 1
+    tags are missing, unbalanced, out of order or appear more than once."""
+    c = pl.col("c")
+    parts = pl.col("after").str.splitn("</answer>", 2)
+    return (
+        pl.DataFrame({"c": completion})
+        .select(
+            one=(c.str.count_matches("<answer>", literal=True) == 1)
+            & (c.str.count_matches("</answer>", literal=True) == 1),
+            after=c.str.splitn("<answer>", 2).struct.field("field_1"),
+        )
+        .select(
+            pl.when(pl.col("one") & parts.struct.field("field_1").is_not_null())
+            .then(parts.struct.field("field_0").str.strip_chars())
+            .alias(completion.name)
+        )
+        .to_series()
     )
-    return pl.when(one).then(completion.str.extract(ANSWER_RE, 1).str.strip_chars())

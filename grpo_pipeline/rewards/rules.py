@@ -30,6 +30,7 @@ reasoning  1.0 when the ``<think>`` part shows the operation the problem needs
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -38,9 +39,9 @@ import polars as pl
 
 from grpo_pipeline.rewards.parse import (
     CHAR_MAP,
-    extract_answer_expr,
-    normalize_expr,
-    number_fields_expr,
+    extract_answer,
+    normalize_series,
+    number_fields,
     numbers_match,
     numbers_match_expr,
     parse_number,
@@ -49,16 +50,16 @@ from grpo_pipeline.rewards.parse import (
 __all__ = [
     "OPERATION_PATTERNS",
     "REWARD_RULES",
-    "THINK_RE",
-    "accuracy_fast_expr",
+    "accuracy_fast",
     "accuracy_rule",
-    "format_reward_expr",
+    "format_reward",
     "format_rule",
     "get_rule",
     "math_verify_match",
     "reasoning_reward_expr",
     "reasoning_rule",
     "register_rule",
+    "think_content",
 ]
 
 RuleFn = Callable[..., tuple[pl.Series, pl.Series]]
@@ -94,27 +95,40 @@ def _no_errors(n: int) -> pl.Series:
 _HAS_MATH = r"[0-9\\]"
 
 
-def accuracy_fast_expr(completion: pl.Expr, answer: pl.Expr, *, rel_tol: float) -> pl.Expr:
-    """Fast-path accuracy: 1.0 / 0.0, or null where it cannot decide (-> math-verify).
+def _ref_fields(answer: pl.Series) -> pl.DataFrame:
+    """Normalised reference text and number fields, computed once per distinct answer
+    (a group's G rows share one): ``rn``, ``r_value``, ``r_decimals`` aligned with ``answer``."""
+    uniq = answer.unique()
+    rn = normalize_series(uniq)
+    table = pl.DataFrame({"answer": uniq, "rn": rn}).hstack(number_fields(rn).rename(lambda c: f"r_{c}"))
+    return pl.DataFrame({"answer": answer}).join(table, on="answer", how="left", maintain_order="left")
+
+
+def accuracy_fast(df: pl.DataFrame, *, rel_tol: float) -> pl.DataFrame:
+    """Fast-path accuracy: column ``acc`` 1.0 / 0.0, or null where it cannot decide
+    (-> math-verify), with ``pred`` (the answer text, null without a valid block)
+    and ``answer``.
 
     Decided: no valid answer block (0); equal normalised text, case-folded (1);
     both plain numbers (tolerance rule); a prediction without digits or LaTeX
     against a plain-number reference, or two texts without either (0).
     """
-    pn, rn = normalize_expr(extract_answer_expr(completion)), normalize_expr(answer)
-    pv, _ = number_fields_expr(pn)
-    rv, rd = number_fields_expr(rn)
-    same = pn.str.to_lowercase() == rn.str.to_lowercase()
-    pred_math = pn.str.contains(_HAS_MATH)
-    ref_math = rn.str.contains(_HAS_MATH)
-    return (
+    pred = extract_answer(df["completion"]).alias("pred")
+    pn = normalize_series(pred).alias("pn")
+    frame = pl.concat(
+        [pl.DataFrame([pred, pn]), number_fields(pn).rename(lambda c: f"p_{c}"), _ref_fields(df["answer"])],
+        how="horizontal",
+    )
+    pn, rn, pv, rv = pl.col("pn"), pl.col("rn"), pl.col("p_value"), pl.col("r_value")
+    acc = (
         pl.when(pn.is_null()).then(0.0)
-        .when(same).then(1.0)
+        .when(pn.str.to_lowercase() == rn.str.to_lowercase()).then(1.0)
         .when(pv.is_not_null() & rv.is_not_null())
-        .then(numbers_match_expr(pv, rv, rd, rel_tol=rel_tol).cast(pl.Float64))
-        .when(~pred_math & (rv.is_not_null() | ~ref_math)).then(0.0)
+        .then(numbers_match_expr(pv, rv, pl.col("r_decimals"), rel_tol=rel_tol).cast(pl.Float64))
+        .when(~pn.str.contains(_HAS_MATH) & (rv.is_not_null() | ~rn.str.contains(_HAS_MATH))).then(0.0)
         .otherwise(None)
     )
+    return frame.select(acc=acc, pred="pred", answer="answer")
 
 
 def _mv_float(x: object) -> float | None:
@@ -128,9 +142,18 @@ def _mv_float(x: object) -> float | None:
     return v.real if v.imag == 0 and math.isfinite(v.real) else None
 
 
+def _mv_text(s: str) -> str:
+    """Full-width to ASCII; bare LaTeX (``\\sqrt{2}``, ``2^{10}``) wrapped in ``$…$``,
+    which math-verify needs to find it."""
+    s = "".join(CHAR_MAP.get(ch, ch) for ch in s).strip()
+    return f"${s}$" if "$" not in s and any(ch in s for ch in "\\^{") else s
+
+
+@functools.lru_cache(maxsize=65536)
 def math_verify_match(pred: str, ref: str, *, rel_tol: float) -> bool:
     """Slow path: math-verify, with the tolerance rule applied when both sides
-    evaluate to real numbers (so ``\\sqrt{2.79}`` matches ``1.67``).
+    evaluate to real numbers (so ``\\sqrt{2.79}`` matches ``1.67``); memoised, as a
+    group's completions often repeat an answer.
 
     math-verify's signal-based timeouts only work in the main thread; elsewhere
     they are off.
@@ -138,27 +161,21 @@ def math_verify_match(pred: str, ref: str, *, rel_tol: float) -> bool:
     from math_verify import parse, verify
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    mapped = ["".join(CHAR_MAP.get(ch, ch) for ch in s) for s in (ref, pred)]
-    gold = parse(mapped[0], parsing_timeout=timeout)
-    target = parse(mapped[1], parsing_timeout=timeout)
+    gold = parse(_mv_text(ref), parsing_timeout=timeout)
+    target = parse(_mv_text(pred), parsing_timeout=timeout)
     if not gold or not target:
         return False
     gv, tv = _mv_float(gold[0]), _mv_float(target[0])
-    if gv is not None and tv is not None:
+    if gv is not None and tv is not None:  # two real numbers: the tolerance rule decides
         ref_num = parse_number(ref)
-        if numbers_match(tv, gv, ref_num.decimals if ref_num else None, rel_tol=rel_tol):
-            return True
+        return numbers_match(tv, gv, ref_num.decimals if ref_num else None, rel_tol=rel_tol)
     return bool(verify(gold, target, timeout_seconds=timeout))
 
 
 @register_rule("accuracy")
 def accuracy_rule(df: pl.DataFrame, *, rel_tol: float, **_: object) -> tuple[pl.Series, pl.Series]:
-    """Accuracy reward (module docstring); the metrics count slow-path rows."""
-    frame = df.select(
-        acc=accuracy_fast_expr(pl.col("completion"), pl.col("answer"), rel_tol=rel_tol),
-        pred=extract_answer_expr(pl.col("completion")),
-        answer=pl.col("answer"),
-    )
+    """Accuracy reward (module docstring): fast path, then math-verify row by row."""
+    frame = accuracy_fast(df, rel_tol=rel_tol)
     values = frame["acc"].to_list() if frame["acc"].null_count() else None
     errors: list[str | None] = [None] * df.height
     if values is None:
@@ -173,52 +190,56 @@ def accuracy_rule(df: pl.DataFrame, *, rel_tol: float, **_: object) -> tuple[pl.
 
 
 # ------------------------------------------------------------------ format
-_STRICT_FORMAT_RE = r"(?s)^\s*<think>.*</think>\s*<answer>.*</answer>\s*$"
-
-
-def _one_block(c: pl.Expr, tag: str) -> pl.Expr:
-    return (
-        (c.str.count_matches(f"<{tag}>", literal=True) == 1)
-        & (c.str.count_matches(f"</{tag}>", literal=True) == 1)
-        & c.str.contains(f"(?s)<{tag}>.*</{tag}>")
+def format_reward(completion: pl.Series, *, partial_credit: bool = False) -> pl.Series:
+    """(N,) Float64 format reward (module docstring for the items)."""
+    c = pl.col("c")
+    counts = {f"n_{t}": c.str.count_matches(t, literal=True) for t in ("<think>", "</think>", "<answer>", "</answer>")}
+    order = {f"at_{t}": c.str.find(t, literal=True) for t in ("<think>", "</think>", "<answer>", "</answer>")}
+    f = pl.DataFrame({"c": completion}).with_columns(
+        **counts, **order,
+        starts=c.str.strip_chars_start().str.starts_with("<think>"),
+        ends=c.str.strip_chars_end().str.ends_with("</answer>"),
+        joined=c.str.contains(r"</think>\s*<answer>"),
     )
-
-
-def format_reward_expr(completion: pl.Expr, *, partial_credit: bool = False) -> pl.Expr:
-    """Format reward as an expression (module docstring for the items)."""
-    think, answer = _one_block(completion, "think"), _one_block(completion, "answer")
-    order = completion.str.contains(r"^\s*<think>") & completion.str.contains(r"</think>\s*<answer>")
-    trailing = completion.str.contains(r"</answer>\s*$")
+    n, at = pl.col, lambda t: pl.col(f"at_{t}")
+    think = (n("n_<think>") == 1) & (n("n_</think>") == 1) & (at("<think>") < at("</think>"))
+    answer = (n("n_<answer>") == 1) & (n("n_</answer>") == 1) & (at("<answer>") < at("</answer>"))
+    order_ok = n("starts") & n("joined")
+    items = [think, answer, order_ok, n("ends")]
     if partial_credit:
-        items = [think, answer, order, trailing]
-        return pl.sum_horizontal([x.cast(pl.Float64) for x in items]) * 0.25
-    strict = think & answer & completion.str.contains(_STRICT_FORMAT_RE)
-    return strict.cast(pl.Float64)
+        value = pl.sum_horizontal([x.fill_null(False).cast(pl.Float64) for x in items]) * 0.25
+    else:
+        value = pl.all_horizontal(items).fill_null(False).cast(pl.Float64)
+    return f.select(value=value).to_series()
 
 
 @register_rule("format")
 def format_rule(df: pl.DataFrame, *, format_partial_credit: bool = False, **_: object) -> tuple[pl.Series, pl.Series]:
     """Format reward (module docstring)."""
-    v = df.select(value=format_reward_expr(pl.col("completion"), partial_credit=format_partial_credit))
-    return v["value"], _no_errors(df.height)
+    return format_reward(df["completion"], partial_credit=format_partial_credit), _no_errors(df.height)
 
 
 # ------------------------------------------------------------------ reasoning
-#: The ``<think>`` content: up to the first ``</think>``, or to the end when unclosed.
-THINK_RE = r"(?s)<think>(.*?)(?:</think>|$)"
+def think_content(completion: pl.Expr) -> pl.Expr:
+    """The ``<think>`` content: after the first ``<think>``, up to the next
+    ``</think>`` or to the end when unclosed; null without ``<think>``."""
+    after = completion.str.splitn("<think>", 2).struct.field("field_1")
+    return after.str.splitn("</think>", 2).struct.field("field_0")
 
 #: What "shows the operation" means, case-insensitive, per ``operation`` value.
 OPERATION_PATTERNS: dict[str, str] = {
-    "div": r"(?i)[/／÷]|\bdivid|\bdivision\b|除",
-    "mul": r"(?i)[*＊×]|[0-9]\s*x\s*[0-9]|\btimes\b|\bmultipl|乘",
-    "add": r"(?i)[+＋]|\bplus\b|\badd|\bsum\b|加",
-    "sub": r"(?i)[0-9)]\s*[-−－]\s*[0-9(]|\s[-−－]\s|\bminus\b|\bsubtract|减",
+    "div": r"[/／÷]|(?i:(?-u:\b)divi(?:d|sion))|除",
+    "mul": r"[*＊×]|[0-9]\s*[xX]\s*[0-9]|(?i:(?-u:\b)(?:times|multipl))|乘",
+    "add": r"[+＋]|(?i:(?-u:\b)(?:plus|add|sum(?-u:\b)))|加",
+    "sub": r"[0-9)]\s*[-−－]\s*[0-9(]|\s[-−－]\s|(?i:(?-u:\b)(?:minus|subtract))|减",
 }
+# ``(?-u:\b)``: ASCII word boundary, which keeps polars' regex on its fast DFA engine.
 
 
-def reasoning_reward_expr(completion: pl.Expr, operation: pl.Expr) -> pl.Expr:
-    """Reasoning reward as an expression: null where ``operation`` is null."""
-    think = completion.str.extract(THINK_RE, 1)
+def reasoning_reward_expr(think: pl.Expr, operation: pl.Expr) -> pl.Expr:
+    """Reasoning reward from the ``<think>`` content (null: no think block) and
+    the operation; null where ``operation`` is null.  Pass column references:
+    ``think`` is used once per operation."""
     out = pl.when(operation.is_null()).then(None)
     for op, pat in OPERATION_PATTERNS.items():
         out = out.when(operation == op).then(think.str.contains(pat).fill_null(False).cast(pl.Float64))
@@ -238,5 +259,10 @@ def reasoning_rule(df: pl.DataFrame, **_: object) -> tuple[pl.Series, pl.Series]
             f"sample_idx={row.get('sample_idx')!r} ({bad.height} rows); valid: {list(OPERATION_PATTERNS)} or null"
         )
         raise ValueError(msg)
-    v = df.select(value=reasoning_reward_expr(pl.col("completion"), pl.col("operation")))
+    v = (
+        df.lazy()
+        .select(think=think_content(pl.col("completion")), operation="operation")
+        .select(value=reasoning_reward_expr(pl.col("think"), pl.col("operation")))
+        .collect()
+    )
     return v["value"], _no_errors(df.height)

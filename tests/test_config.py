@@ -1,0 +1,101 @@
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_pipeline.config import ParamsError, load_params
+from grpo_pipeline.iterations import MARKER, rewrite, table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, obj) -> Path:
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(obj) if not isinstance(obj, str) else obj)
+    return p
+
+
+def test_repo_params_are_valid():
+    p = load_params(ROOT / "params.yaml")
+    assert p.iterations and p.evaluations
+    assert p.advantage.std == "population"  # the spec's convention is the default
+
+
+@pytest.mark.parametrize(
+    "obj, key",
+    [
+        ({"sampling": {"group_siz": 4}}, "sampling.group_siz"),
+        ({"samplng": {"group_size": 4}}, "samplng"),
+        ({"update": {"klestimator": "k3"}}, "update.klestimator"),
+        ({"reward": {"custom": [{"name": "x", "function": "m:f", "wieght": 1}]}}, "reward.custom.0.wieght"),
+    ],
+)
+def test_unknown_keys_name_the_key_and_file(tmp_path, obj, key):
+    path = write(tmp_path, obj)
+    with pytest.raises(ParamsError) as e:
+        load_params(path)
+    assert key in str(e.value) and str(path) in str(e.value)
+
+
+def test_typo_suggests_the_right_key(tmp_path):
+    with pytest.raises(ParamsError, match="did you mean 'group_size'"):
+        load_params(write(tmp_path, {"sampling": {"group_siz": 4}}))
+
+
+@pytest.mark.parametrize(
+    "obj, words",
+    [
+        ({"sampling": {"group_size": 1}}, ["sampling.group_size", "greater than or equal to 2"]),
+        ({"update": {"epsilon": 1.5}}, ["update.epsilon", "less than 1"]),
+        ({"advantage": {"std": "unbiased"}}, ["advantage.std", "population"]),
+        ({"update": {"minibatch_size": 10, "micro_batch_size": 4}}, ["multiple"]),
+        ({"reward": {"weights": {"acuracy": 1.0}}}, ["acuracy", "known"]),
+        ({"data": {"source": "file"}}, ["data.path"]),
+    ],
+)
+def test_bad_values_name_the_range(tmp_path, obj, words):
+    with pytest.raises(ParamsError) as e:
+        load_params(write(tmp_path, obj))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(write(tmp_path, "a: [1,\n"))
+    with pytest.raises(ParamsError, match="not found"):
+        load_params(tmp_path / "nope.yaml")
+
+
+def test_typo_fails_fast_through_the_stage_script(tmp_path):
+    import subprocess
+    import sys
+
+    path = write(tmp_path, {"sampling": {"temprature": 1.0}})
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, str(ROOT / "stages/sample.py"), "--params", str(path), "--iteration", "it0",
+                        "--index", "0", "--policy", "x", "--prompts", "x", "--out", "x"], capture_output=True, text=True)
+    assert r.returncode != 0 and "sampling.temprature" in r.stderr
+    assert time.perf_counter() - t0 < 5
+
+
+def test_iterations_table_chains_checkpoints(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("update:\n  lr: 1.0e-6  # keep me\n")
+    rewrite(path, 3, eval_every=2)
+    text = path.read_text()
+    assert "# keep me" in text and text.count(MARKER) == 1
+    p = load_params(path)
+    assert list(p.iterations) == ["it0", "it1", "it2"]
+    assert [i.policy for i in p.iterations.values()] == ["models/sft", "models/it1", "models/it2"]
+    assert [i.next for i in p.iterations.values()] == ["models/it1", "models/it2", "models/it3"]
+    assert list(p.evaluations) == ["base", "sft", "it1", "it2"]  # every 2nd, and always the last
+    rewrite(path, 1)
+    assert list(load_params(path).iterations) == ["it0"] and path.read_text().count(MARKER) == 1
+
+
+def test_broken_chain_is_an_error(tmp_path):
+    text = table(2).replace("policy: models/it1", "policy: models/it9")
+    with pytest.raises(ParamsError, match="grpo-pipeline iterations"):
+        load_params(write(tmp_path, text))

@@ -1,0 +1,88 @@
+"""Batched, padded log-probs equal per-sequence unpadded ones; the update and SFT loops move the weights."""
+
+import pytest
+import torch
+
+from grpo_pipeline.checkpoint import load_model, load_tokenizer
+from grpo_pipeline.config import SFTConfig, UpdateConfig
+from grpo_pipeline.policy import collate, completion_logprobs
+from grpo_pipeline.sft import build_demonstrations, sft_loss, train_sft
+from grpo_pipeline.update import NonFiniteError, Rollout, train
+
+
+@pytest.fixture()
+def model(tiny_model):
+    torch.manual_seed(0)
+    return load_model(tiny_model)
+
+
+def rand_rollouts(n, vocab=500, seed=0, adv=None):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(3, vocab, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        c = torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        a = float(torch.randn(1, generator=g)) if adv is None else adv
+        out.append(Rollout(p, c, a, f"p{i}/0"))
+    return out
+
+
+def test_collate_layout():
+    b = collate([[5, 6, 7], [8]], [[9], [10, 11, 12]], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 9, 0, 0], [0, 0, 8, 10, 11, 12]]
+    assert b.completion_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 3, 3], [0, 0, 0, 1, 2, 3]]
+
+
+def test_padded_batch_logprobs_equal_unpadded(model):
+    rows = rand_rollouts(5)
+    b = collate([r.prompt_ids for r in rows], [r.completion_ids for r in rows], pad_id=0)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, b)
+        for i, r in enumerate(rows):
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1: -1]                  # (C, V)
+            ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+            torch.testing.assert_close(lp[i, : len(r.completion_ids)], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_update_moves_weights_and_zero_advantage_does_not(model, tiny_model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = UpdateConfig(lr=1e-3, beta=0.0, minibatch_size=4, micro_batch_size=2)
+    hist, _ = train(model, rand_rollouts(8), cfg, pad_id=0)
+    assert len(hist) == 2 and all(h["ratio_mean"] == pytest.approx(1.0) for h in hist[:1])
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    still = load_model(tiny_model)
+    before = {k: v.clone() for k, v in still.state_dict().items()}
+    train(still, rand_rollouts(8, adv=0.0), cfg, pad_id=0)
+    assert all(torch.equal(before[k], v) for k, v in still.state_dict().items())
+
+
+def test_update_with_reference_reports_kl(model, tiny_model):
+    ref = load_model(tiny_model).eval()
+    cfg = UpdateConfig(lr=1e-3, beta=0.1, minibatch_size=4, micro_batch_size=4, mu=2)
+    hist, _ = train(model, rand_rollouts(4), cfg, pad_id=0, ref_model=ref)
+    assert hist[0]["kl"] == pytest.approx(0.0, abs=1e-6)    # same weights at the first step
+    assert hist[-1]["kl"] > 0 and hist[-1]["ratio_max"] != 1.0
+
+
+def test_non_finite_advantage_stops_the_update(model):
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        train(model, rand_rollouts(4, adv=float("nan")), UpdateConfig(beta=0.0, minibatch_size=4, micro_batch_size=4), pad_id=0)
+
+
+def test_sft_masks_prompt_and_lowers_loss(model, tiny_model, tiny_problems):
+    tok = load_tokenizer(tiny_model)
+    demos = build_demonstrations(tiny_problems.head(8), tok, max_length=256)
+    p, c = demos[0]
+    b = collate([p], [c], pad_id=tok.pad_token_id)
+    # the loss sees exactly the completion tokens: the label mask is 1 on them and the prompt is outside it
+    assert int(b.completion_mask.sum()) == len(c) and b.input_ids.shape[1] == len(p) + len(c)
+    assert tok.decode(c).startswith("<think>") and tok.decode(c).endswith(tok.eos_token)
+    with torch.no_grad():
+        first, _ = sft_loss(model, [d[0] for d in demos], [d[1] for d in demos], pad_id=tok.pad_token_id)
+    train_sft(model, demos, SFTConfig(epochs=8, lr=3e-3, batch_size=4, warmup_ratio=0.0), pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        last, _ = sft_loss(model, [d[0] for d in demos], [d[1] for d in demos], pad_id=tok.pad_token_id)
+    assert float(last) < 0.8 * float(first)
