@@ -141,6 +141,15 @@ class AdvantageConfig(Section):
 
 # --------------------------------------------------------------------------- update
 class UpdateConfig(Section):
+    class Distributed(Section):
+        strategy: Literal["none", "ddp", "fsdp"] = Field(
+            "none", description="none: one process; ddp: replicated weights, averaged gradients (small models); "
+            "fsdp: FSDP2 (torch.distributed.fsdp.fully_shard), weights, gradients and AdamW state sharded.",
+        )
+        nproc_per_node: int = Field(1, ge=1, description="Processes per node (one per GPU; CPU: gloo processes).")
+        nnodes: int = Field(1, ge=1, description="Nodes; > 1 needs rdzv_endpoint and the stage started on every node.")
+        rdzv_endpoint: str | None = Field(None, description="host:port of the torchrun rendezvous when nnodes > 1.")
+
     lr: float = Field(1e-6, gt=0, le=1)
     beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips loading the reference.")
     epsilon: float = Field(0.2, gt=0, lt=1, description="Clip range low: clip(r, 1-eps_low, 1+eps_high).")
@@ -148,21 +157,51 @@ class UpdateConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     reference: Literal["sft", "old"] = Field("sft", description="KL reference: the SFT model, or the old policy.")
     aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    max_tokens: int | None = Field(
+        None, ge=1, description="Dr. GRPO's constant normaliser (seq_mean_token_sum_norm); default: the sampler's "
+        "max_new_tokens from the rollouts' metadata, else the longest completion.",
+    )
     mu: int = Field(1, ge=1, le=16, description="Passes over the iteration's rollouts.")
-    minibatch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward.")
+    minibatch_size: int = Field(64, ge=1, description="Sequences per optimizer step (over all processes).")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward, per process.")
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up over the first global optimizer steps.")
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    total_steps: int | None = Field(
+        None, ge=1, description="Global optimizer steps of the whole run (all iterations): where cosine / linear "
+        "decay ends. The global step is carried in the checkpoints, so the schedule spans iterations.",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Decay floor as a share of lr.")
+    optimizer_state: Literal["carry", "fresh"] = Field(
+        "carry", description="carry: resume AdamW moments from the previous update when they belong to this "
+        "iteration's policy (see grpo_pipeline/train_state.py); fresh: new moments every iteration.",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16: autocast for forward/backward.")
     gradient_checkpointing: bool = False
+    logprob_chunk_size: int = Field(1024, ge=1, description="Tokens per LM-head chunk (memory vs. speed).")
+    distributed: Distributed = Distributed()
     seed: int = 0
 
     @model_validator(mode="after")
     def _micro(self) -> UpdateConfig:
         if self.minibatch_size % self.micro_batch_size:
             msg = f"update.minibatch_size ({self.minibatch_size}) must be a multiple of update.micro_batch_size ({self.micro_batch_size})"
+            raise ValueError(msg)
+        if self.lr_schedule != "constant" and self.total_steps is None:
+            msg = (f"update.lr_schedule is {self.lr_schedule!r} but update.total_steps is not set. Hint: set it to "
+                   "the optimizer steps of the whole run (iterations x steps per iteration)")
+            raise ValueError(msg)
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+            msg = f"update.total_steps ({self.total_steps}) must exceed update.warmup_steps ({self.warmup_steps})"
+            raise ValueError(msg)
+        d = self.distributed
+        if d.nnodes > 1 and not d.rdzv_endpoint:
+            msg = f"update.distributed.nnodes is {d.nnodes} but update.distributed.rdzv_endpoint (host:port) is not set"
+            raise ValueError(msg)
+        if d.strategy == "none" and d.nproc_per_node * d.nnodes > 1:
+            msg = ("update.distributed.strategy is 'none' but nproc_per_node x nnodes > 1. "
+                   "Hint: choose strategy ddp or fsdp")
             raise ValueError(msg)
         return self
 

@@ -1,10 +1,21 @@
 """Batches of (prompt, completion) token sequences and their per-token log-probs under a model.
 
 Layout of a batch: prompts left-padded to P, completions right-padded to C, so every
-completion starts at column P and the logits of the completion positions are the last
-C + 1 columns of the forward pass (``logits_to_keep``): the prompt's logits are never
-computed over the vocabulary.  Position ids count real tokens only, as vLLM does, so
-the log-probs match the sampler's.
+completion starts at column P.  Position ids count real tokens only, as vLLM does, so the
+log-probs match the sampler's.
+
+Memory: the vocabulary projection is never materialised for the whole batch.  The decoder's
+hidden states of the completion positions that hold a real token are projected through the
+LM head ``chunk_size`` tokens at a time; each chunk's ``(n, V)`` logits and log-softmax live
+only inside that chunk, in the forward pass *and* in backward (each chunk is an activation
+checkpoint: backward keeps its ``(n, H)`` hidden states and recomputes the logits).  Prompt
+positions and padding are never projected at all.  Models whose head is not a plain linear
+map (logit soft-capping or scaling) fall back to the model's own forward with
+``logits_to_keep``.
+
+:class:`PolicyModule` wraps a Hugging Face causal LM so that this whole computation is one
+``forward``: DDP and FSDP2 wrap that module, so their hooks (gradient sync, parameter
+all-gather) see every use of the weights.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from grpo_pipeline.losses import token_logprobs
 
@@ -51,12 +63,103 @@ def collate(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int
     return Batch(ids, attn, pos, comp, cmask)
 
 
-def completion_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int = 1024,
-                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(o_t | q, o_<t) for every completion token: (B, C), and the entropy (B, C) if asked."""
+def _plain_linear_head(model: torch.nn.Module) -> bool:
+    """True when logits are exactly ``lm_head(decoder(x))`` (no soft-capping, scaling or temperature)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    odd = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return (isinstance(head, torch.nn.Linear) and hasattr(model, "get_decoder")
+            and all(getattr(cfg, k, None) in (None, 1, 1.0) for k in odd))
+
+
+def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(h W^T + b)[label]`` (n,) in float32, and the entropy (n,) (no gradient)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()     # (n, V)
+    lse = torch.logsumexp(logits, dim=-1)                                  # (n,)
+    picked = logits.gather(-1, labels[:, None]).squeeze(-1) - lse          # (n,)
+    if not with_entropy:
+        return picked, picked.new_zeros(())
+    with torch.no_grad():
+        p = torch.softmax(logits, dim=-1)                                  # (n, V)
+        entropy = lse - (p * logits).sum(-1)                               # (n,) H = lse - E_p[z]
+    return picked, entropy
+
+
+def _fused_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    C = batch.completion_ids.shape[1]
+    out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=batch.position_ids, use_cache=False)
+    hidden = out.last_hidden_state[:, -(C + 1):-1]                         # (B, C, H): t predicts token t+1
+    valid = batch.completion_mask.bool()                                   # (B, C)
+    h, labels = hidden[valid], batch.completion_ids[valid]                 # (N, H), (N,)
+    head = model.get_output_embeddings()
+    grad = torch.is_grad_enabled()
+    picked, ents = [], []
+    for s in range(0, labels.shape[0], chunk_size):
+        args = (h[s: s + chunk_size], head.weight, head.bias, labels[s: s + chunk_size], with_entropy)
+        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if grad else _head_chunk(*args)
+        picked.append(lp)
+        ents.append(ent)
+    zeros = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)  # (B, C)
+    if not picked:  # no valid token: a differentiable zero that still touches the graph
+        return zeros + 0.0 * hidden.sum(), (zeros.clone() if with_entropy else None)
+    logp = zeros.masked_scatter(valid, torch.cat(picked))                  # (B, C), 0 at padding
+    entropy = zeros.masked_scatter(valid, torch.cat(ents)) if with_entropy else None
+    return logp, entropy
+
+
+def _logits_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     C = batch.completion_ids.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, logits_to_keep=C + 1, use_cache=False)
     logits = out.logits[:, :-1, :]                             # (B, C, V): position t predicts token t+1
     logp, entropy = token_logprobs(logits, batch.completion_ids, chunk_size=chunk_size)
-    return logp, (entropy if with_entropy else None)
+    valid = batch.completion_mask.bool()
+    return torch.where(valid, logp, 0.0), (torch.where(valid, entropy, 0.0).detach() if with_entropy else None)
+
+
+def model_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int = 1024,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(o_t | q, o_<t) (B, C) float32 of a plain HF causal LM, 0 at padding; entropy (B, C) if asked."""
+    if chunk_size < 1:
+        msg = f"chunk_size must be >= 1, got {chunk_size}"
+        raise ValueError(msg)
+    fn = _fused_logprobs if _plain_linear_head(model) else _logits_logprobs
+    return fn(model, batch, chunk_size=chunk_size, with_entropy=with_entropy)
+
+
+class PolicyModule(torch.nn.Module):
+    """An HF causal LM whose ``forward`` returns completion log-probs (and entropies), for DDP / FSDP.
+
+    The wrapped model is ``self.lm``; parameters are shared, not copied.
+    """
+
+    def __init__(self, lm: torch.nn.Module, *, chunk_size: int = 1024) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                completion_ids: torch.Tensor, completion_mask: torch.Tensor, with_entropy: bool = False):
+        b = Batch(input_ids, attention_mask, position_ids, completion_ids, completion_mask)
+        return model_logprobs(self.lm, b, chunk_size=self.chunk_size, with_entropy=with_entropy)
+
+
+def is_policy_module(model: torch.nn.Module) -> bool:
+    """A :class:`PolicyModule`, also once FSDP2-sharded or inside DDP (``.module``)."""
+    return isinstance(model, PolicyModule) or isinstance(getattr(model, "module", None), PolicyModule)
+
+
+def completion_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int = 1024,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(o_t | q, o_<t) for every completion token: (B, C) float32, 0 at padding; entropy (B, C) if asked.
+
+    ``model`` is an HF causal LM or a (wrapped) :class:`PolicyModule`.
+    """
+    if is_policy_module(model):
+        return model(batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids,
+                     batch.completion_mask, with_entropy=with_entropy)
+    return model_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy)

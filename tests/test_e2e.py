@@ -84,12 +84,17 @@ def test_checkpoints_move_and_metrics_exist(repo):
     for name in ("base", "sft", "it1"):
         m = json.loads((repo / f"metrics/eval/{name}.json").read_text())
         assert 0 <= m["accuracy"] <= 1 and 0 <= m["format"] <= 1
-    up = json.loads((repo / "metrics/it0/update.json").read_text())
+    up = json.loads((repo / "metrics/iterations/it0/update.json").read_text())
     assert up["steps"] == 2 and up["sequences"] <= 16
-    steps = json.loads((repo / "metrics/it0/update_steps.json").read_text())
+    steps = json.loads((repo / "metrics/iterations/it0/update_steps.json").read_text())
     assert [s["step"] for s in steps] == [0, 1]
-    assert json.loads((repo / "metrics/it1/update.json").read_text())  # continues the global step count
-    assert json.loads((repo / "metrics/it1/update_steps.json").read_text())[0]["step"] == 2
+    assert json.loads((repo / "metrics/iterations/it1/update.json").read_text())  # continues the global step count
+    assert json.loads((repo / "metrics/iterations/it1/update_steps.json").read_text())[0]["step"] == 2
+    # the report gathers curves for dvc plots
+    train = json.loads((repo / "metrics/curves/train.json").read_text())
+    assert [r["iteration"] for r in train] == ["it0", "it1"] and all("reward/total" in r and "kl" in r for r in train)
+    evals = json.loads((repo / "metrics/curves/eval.json").read_text())
+    assert [r["checkpoint"] for r in evals] == ["base", "sft", "it1"]
 
 
 def test_second_repro_is_a_noop(repo):
