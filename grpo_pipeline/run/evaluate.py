@@ -1,6 +1,14 @@
-"""evaluate: greedy accuracy and format compliance of a checkpoint on the held-out prompts."""
+"""evaluate: greedy accuracy and format compliance of a checkpoint on the held-out prompts.
+
+Decoding goes through the same sampling backend as ``sample`` (greedy: temperature 0), and
+completions are judged by the same rule rewards as training (accuracy and strict format).
+With ``evaluate.pass_k`` set, ``pass_samples`` sampled completions per prompt also give the
+unbiased pass@k estimate of Chen et al. (2021): ``1 - C(n - c, k) / C(n, k)``.
+"""
 
 from __future__ import annotations
+
+from math import comb
 
 import polars as pl
 
@@ -14,31 +22,55 @@ from grpo_pipeline.run.sample import backend_for, build_requests, spec_from
 EVAL_REWARDS = RewardConfig(weights={"accuracy": 1.0, "format": 1.0}, step_scorer=None)
 
 
+def judge(completions: pl.DataFrame) -> pl.DataFrame:
+    """Add ``accuracy`` and ``format`` (1/0) to rows with ``prompt_id, sample_idx, completion, answer``."""
+    scored, _ = score_frame(completions, EVAL_REWARDS)
+    return completions.with_columns(accuracy=scored["reward_accuracy"].fill_null(0.0),
+                                    format=scored["reward_format"].fill_null(0.0))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct."""
+    return 1.0 if n - c < k else 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def eval_metrics(result: pl.DataFrame) -> dict:
+    return {
+        "accuracy": round(float(result["accuracy"].mean()), 4),
+        "format": round(float(result["format"].mean()), 4),
+        "completion_len_mean": round(float(result["completion_len"].mean()), 2),
+        "truncated_share": round(float((result["finish_reason"] == "length").mean()), 4),
+        "prompts": result.height,
+    }
+
+
+def _frame(df: pl.DataFrame, samples, k: int = 0) -> pl.DataFrame:
+    return df.select("prompt_id", "answer", "operation").with_columns(
+        sample_idx=pl.lit(k, pl.Int32), completion=pl.Series([g[k].text for g in samples], dtype=pl.Utf8),
+        completion_len=pl.Series([len(g[k].token_ids) for g in samples], dtype=pl.Int32),
+        finish_reason=pl.Series([g[k].finish_reason for g in samples], dtype=pl.Utf8))
+
+
 def run(cfg: EvaluateConfig, sampling: SamplingConfig, *, name: str, checkpoint: str, prompts: str, out: str,
         metrics_path: str | None) -> dict:
     df = schemas.read_table(prompts, "prompts")
     if cfg.n_prompts:
         df = df.head(cfg.n_prompts)
     tokenizer = load_tokenizer(checkpoint)
-    spec = spec_from(sampling, n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens)
-    requests, _ = build_requests(df, tokenizer, iteration=name, seed=sampling.seed,
+    requests, _ = build_requests(df, tokenizer, iteration=f"eval/{name}", seed=sampling.seed,
                                  max_prompt_len=sampling.max_model_len - cfg.max_new_tokens, source=prompts)
     backend = backend_for(sampling, checkpoint)
-    samples = backend.generate(requests, spec)
-    completions = df.select("prompt_id", "answer", "operation").with_columns(
-        sample_idx=pl.lit(0, pl.Int32), completion=pl.Series([g[0].text for g in samples]),
-        completion_len=pl.Series([len(g[0].token_ids) for g in samples], dtype=pl.Int32),
-        finish_reason=pl.Series([g[0].finish_reason for g in samples]))
-    scored, _ = score_frame(completions, EVAL_REWARDS)
-    result = completions.with_columns(checkpoint=pl.lit(name), accuracy=scored["reward_accuracy"],
-                                      format=scored["reward_format"])
+    greedy = backend.generate(requests, spec_from(sampling, n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens))
+    result = judge(_frame(df, greedy)).with_columns(checkpoint=pl.lit(name))
+    metrics = eval_metrics(result)
+    if cfg.pass_k:
+        spec = spec_from(sampling, n=cfg.pass_samples, temperature=cfg.pass_temperature,
+                         max_new_tokens=cfg.max_new_tokens)
+        sampled = backend.generate(requests, spec)
+        judged = pl.concat([judge(_frame(df, sampled, k)) for k in range(cfg.pass_samples)])
+        correct = judged.group_by("prompt_id").agg(pl.col("accuracy").sum().alias("c"))["c"].to_list()
+        metrics[f"pass@{cfg.pass_k}"] = round(sum(pass_at_k(cfg.pass_samples, int(c), cfg.pass_k)
+                                                  for c in correct) / len(correct), 4)
     schemas.write_table(result, out, "eval", metadata={"checkpoint": checkpoint, **backend.versions()})
-    metrics = {
-        "accuracy": round(float(result["accuracy"].fill_null(0).mean()), 4),
-        "format": round(float(result["format"].fill_null(0).mean()), 4),
-        "completion_len_mean": round(float(result["completion_len"].mean()), 2),
-        "truncated_share": round(float((result["finish_reason"] == "length").mean()), 4),
-        "prompts": result.height,
-    }
     summary(f"evaluate@{name}", metrics, path=metrics_path)
     return metrics
