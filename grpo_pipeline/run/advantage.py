@@ -1,6 +1,14 @@
-"""advantage@itN: group-relative advantages from the scores Parquet."""
+"""advantage@itN: group-relative advantages from the scores Parquet, streamed by whole groups.
+
+The sampler writes each group's rows together, so the scores file is read in batches and
+each batch is cut after its last complete group; the trailing partial group is carried to
+the next batch.  Memory stays bounded by the batch size, whatever the file size.  The
+``batch`` std option needs the std of the whole iteration, so it reads the file at once.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import polars as pl
 
@@ -10,16 +18,63 @@ from grpo_pipeline.config import AdvantageConfig
 from grpo_pipeline.run import summary
 
 
-def run(cfg: AdvantageConfig, *, scores: str, out: str, metrics_path: str | None) -> dict:
+def whole_groups(batches: Iterator[pl.DataFrame], *, source: str) -> Iterator[pl.DataFrame]:
+    """Re-cut ``batches`` so that no group (``prompt_id``) is split; error if a group is not contiguous."""
+    carry: pl.DataFrame | None = None
+    seen: set[str] = set()
+    for batch in batches:
+        if carry is not None:
+            batch = pl.concat([carry, batch], how="vertical_relaxed")
+        if batch.height == 0:
+            continue
+        last = batch["prompt_id"][-1]
+        tail = batch["prompt_id"] == last
+        start = batch.height - int(tail.cast(pl.Int32).reverse().cum_min().sum())  # first row of the trailing run
+        done, carry = batch[:start], batch[start:]
+        if done.height:
+            ids = done["prompt_id"].unique(maintain_order=True)
+            for pid in ids.to_list():
+                if pid in seen:
+                    msg = f"{source}: the rows of group prompt_id={pid!r} are not contiguous (it reappears later)"
+                    raise ValueError(msg)
+            seen.update(ids.to_list())
+            if done["prompt_id"].n_unique() != done.select(pl.col("prompt_id").rle_id().n_unique()).item():
+                raise ValueError(f"{source}: the rows of some group are not contiguous (prompt ids interleave)")
+            yield done
+    if carry is not None and carry.height:
+        if carry["prompt_id"][0] in seen:
+            raise ValueError(f"{source}: the rows of group prompt_id={carry['prompt_id'][0]!r} are not contiguous")
+        yield carry
+
+
+def run(cfg: AdvantageConfig, *, scores: str, out: str, metrics_path: str | None, batch_rows: int = 262144) -> dict:
     cols = ["iteration", "prompt_id", "sample_idx", "reward"] + (["steps"] if cfg.estimator == "process" else [])
-    df = schemas.read_table(scores, "scores", columns=cols)
-    if df.height == 0:
-        raise ValueError(f"{scores}: no scored completions")
-    adv, metrics = compute_advantages(df, cfg)
-    adv = adv.with_columns(iteration=pl.lit(df["iteration"][0]))
-    if "step_advantages" not in adv.columns:
-        adv = adv.with_columns(step_advantages=None)
-    schemas.write_table(adv, out, "advantages", metadata={"scores": scores, "advantage": cfg.model_dump()})
-    metrics = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}
-    summary(f"advantage@{df['iteration'][0]}", metrics, path=metrics_path)
+    if cfg.std == "batch":
+        chunks: Iterator[pl.DataFrame] = iter([schemas.read_table(scores, "scores", columns=cols)])
+    else:
+        chunks = whole_groups(schemas.iter_batches(scores, "scores", batch_rows=batch_rows, columns=cols), source=scores)
+    totals = {"abs_sum": 0.0, "rows": 0, "unmasked": 0, "groups": 0, "zero_std_groups": 0.0, "masked": 0}
+    iteration = None
+    with schemas.stream_writer(out, "advantages", metadata={"scores": scores, "advantage": cfg.model_dump()}) as write:
+        for df in chunks:
+            iteration = iteration or df["iteration"][0]
+            adv, m = compute_advantages(df, cfg)
+            write(adv.with_columns(iteration=pl.lit(iteration)))
+            unmasked = int(adv["adv_mask"].sum())
+            totals["abs_sum"] += m["advantage/abs_mean"] * unmasked
+            totals["unmasked"] += unmasked
+            totals["rows"] += adv.height
+            totals["groups"] += m["advantage/groups"]
+            totals["zero_std_groups"] += m["advantage/zero_std_group_share"] * m["advantage/groups"]
+            totals["masked"] += m["advantage/masked_rows"]
+        if not totals["rows"]:  # inside the writer: the output file is not created
+            raise ValueError(f"{scores}: no scored completions")
+    metrics = {
+        "advantage/abs_mean": round(totals["abs_sum"] / max(totals["unmasked"], 1), 6),
+        "advantage/zero_std_group_share": round(totals["zero_std_groups"] / max(totals["groups"], 1), 6),
+        "advantage/masked_rows": totals["masked"],
+        "advantage/groups": totals["groups"],
+        "rows": totals["rows"],
+    }
+    summary(f"advantage@{iteration}", metrics, path=metrics_path)
     return metrics
