@@ -74,7 +74,7 @@ def inspect(*, data_dir: str | Path = "data", iteration: str | None = None, prom
     console.print(t)
     if summary_only:
         return
-    groups = lf.select("iteration", "prompt_id").unique(maintain_order=True).head(limit).collect()
+    groups = lf.select("iteration", "prompt_id").unique().sort("iteration", "prompt_id").head(limit).collect()
     rows = lf.join(groups.lazy(), on=["iteration", "prompt_id"], how="semi").sort(KEY).collect()
     names = rows.columns
     rewards = [c for c in names if c.startswith("reward_") and c != "reward_error"]
