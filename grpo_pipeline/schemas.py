@@ -39,7 +39,7 @@ STEP = pa.struct([("start", pa.int32()), ("end", pa.int32()), ("reward", pa.floa
 STEP_ADV = pa.struct([("end", pa.int32()), ("value", pa.float64())])
 
 SCHEMAS: dict[str, tuple[int, pa.Schema]] = {
-    "prompts": (1, pa.schema([
+    "prompts": (2, pa.schema([  # v2: tests, entry_point
         ("prompt_id", pa.string()),      # stable id, unique per file
         ("question", pa.string()),       # the problem, without template
         ("answer", pa.string()),         # reference answer
@@ -48,6 +48,8 @@ SCHEMAS: dict[str, tuple[int, pa.Schema]] = {
         ("operation", pa.string()),      # add | sub | mul | div | null: what the reasoning must show
         ("solution", pa.string()),       # worked steps for SFT demonstrations, or null
         ("source", pa.string()),         # synthetic | the user file name
+        ("tests", pa.list_(pa.string())),  # coding: hidden test snippets (one assert each); null: math
+        ("entry_point", pa.string()),    # coding: the function the tests call; null: math
     ])),
     "rollouts": (1, pa.schema([
         ("iteration", pa.string()),                 # it0, it1, ...

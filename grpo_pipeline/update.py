@@ -1,16 +1,34 @@
 """The GRPO policy update: mu passes of clipped-surrogate steps with KL to the reference.
 
-What this implements (see ``grpo_pipeline.losses`` for the formulas):
+What this implements (the formulas are in ``grpo_pipeline.losses``)::
 
-* pi_old = the policy that sampled the rollouts.  With ``mu = 1`` it is the policy itself
-  before its first step, so ``logp_old = logp.detach()`` (ratio exactly 1) and no extra
-  forward pass is spent; with ``mu > 1`` the old log-probs are computed once, with the
-  training model, before the first optimizer step.  The sampler's log-probs stay in the
-  rollouts for diagnostics only.
-* pi_ref = the SFT model (``update.reference: sft``) or pi_old (``old``); ``beta = 0`` loads none.
-* optimizer AdamW; ``minibatch_size`` sequences per step, as ``micro_batch_size`` chunks
-  with gradient accumulation; gradient clipping at ``max_grad_norm``.
-* a non-finite loss or gradient raises :class:`NonFiniteError`; the caller then writes nothing.
+    loss = agg_i,t( -min(r A, clip(r, 1-eps_low, 1+eps_high) A) + beta * KL_k(pi_theta || pi_ref) )
+    r    = exp(logp_theta - logp_old)
+
+* pi_old = the policy that sampled the rollouts, i.e. the weights before this update's first
+  optimizer step.  Its log-probs are computed with the training model (not taken from the
+  sampler, whose log-probs stay in the rollouts for diagnostics) in one no-grad pass before the
+  first step, for every row a later step needs.  At the first step the policy *is* pi_old, so
+  ``logp_old = logp.detach()`` there: the ratio is exactly 1, and when the whole iteration is one
+  optimizer step (``mu = 1``, one minibatch) no extra pass is spent at all.
+* pi_ref = the SFT model (``update.reference: sft``, log-probs computed by the caller or from
+  ``ref_model``) or pi_old (``old``, the first spec document's KL[pi_theta || pi_old]); ``beta = 0``
+  uses none.
+* ``mu`` passes, each a fresh shuffle (seeded by ``update.seed`` and the global step) cut into
+  minibatches of ``minibatch_size`` sequences, one AdamW step each, accumulated over
+  ``micro_batch_size`` micro-batches; gradient clipping at ``max_grad_norm``; learning rate with
+  warm-up and cosine / linear decay over the *global* step (``start_step`` + local step).
+* aggregation normalisers are the global minibatch's counts (``G`` sequences, ``N`` tokens):
+  micro-batch losses sum to the minibatch loss.  With W processes (DDP / FSDP average gradients
+  over ranks) each rank passes ``G / W`` and ``N / W``, so the averaged gradient is exactly the
+  single-process one.
+* a non-finite loss or gradient norm raises :class:`NonFiniteError` before the optimizer step,
+  on every rank; the caller then writes nothing.
+
+Metrics per optimizer step (over the whole minibatch, all ranks): ``loss``, ``policy_loss``,
+``kl`` (mean per token; only with a reference), ``clip_frac_low`` / ``clip_frac_high`` (token
+shares), ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``entropy`` (mean per token),
+``grad_norm`` (before clipping), ``lr``, ``tokens``, ``tokens_per_s``, ``peak_memory_mb``.
 """
 
 from __future__ import annotations
@@ -25,8 +43,9 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_pipeline.config import UpdateConfig
+from grpo_pipeline.distributed import DistContext, grad_norm, no_sync
 from grpo_pipeline.losses import grpo_loss
-from grpo_pipeline.policy import Batch, collate, completion_logprobs
+from grpo_pipeline.policy import PolicyModule, collate, completion_logprobs, is_policy_module
 
 
 class NonFiniteError(RuntimeError):
@@ -56,145 +75,213 @@ def _advantages(rows: Sequence[Rollout], C: int) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
-def logprobs_of(model: torch.nn.Module, batches: list[list[Rollout]], *, pad_id: int, cfg: UpdateConfig,
-                device: torch.device, desc: str) -> list[torch.Tensor]:
-    """Per-micro-batch (b, C) log-probs under ``model``, no grad (old or reference policy)."""
-    was_training = model.training
-    model.eval()
-    out = []
-    for rows in tqdm(batches, desc=desc, leave=False):
-        b = collate([r.prompt_ids for r in rows], [r.completion_ids for r in rows], pad_id=pad_id).to(device)
-        with autocast(cfg, device):
-            lp, _ = completion_logprobs(model, b)
-        out.append(lp.float())
-    model.train(was_training)
-    return out
-
-
-def lr_lambda(cfg: UpdateConfig, total_steps: int, start_step: int = 0):
+def lr_lambda(cfg: UpdateConfig, start_step: int = 0):
+    """Learning-rate factor of local step ``step`` at global step ``start_step + step``."""
     def f(step: int) -> float:
         s = start_step + step
         if cfg.warmup_steps and s < cfg.warmup_steps:
             return (s + 1) / cfg.warmup_steps
         if cfg.lr_schedule == "constant":
             return 1.0
-        frac = min(1.0, (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        return 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1.0 - frac
+        frac = min(1.0, (s - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.lr_schedule == "cosine" else 1.0 - frac
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
     return f
 
 
+def make_optimizer(params: list[torch.nn.Parameter], cfg: UpdateConfig) -> torch.optim.Optimizer:
+    """AdamW, fused (one kernel, no parameter-sized temporaries) where torch has it for these parameters."""
+    try:
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
 def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: peak allocated since the update started; CPU: the process's peak resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *, pad_id: int,
-          ref_model: torch.nn.Module | None = None, device: torch.device | None = None,
-          optimizer: torch.optim.Optimizer | None = None, start_step: int = 0,
-          total_steps: int | None = None) -> tuple[list[dict], torch.optim.Optimizer]:
-    """Run the update in place on ``model``; return per-step metrics and the optimizer."""
-    device = device or next(model.parameters()).device
-    if not rollouts:
-        raise ValueError("no rollouts with a valid advantage to train on")
-    gen = torch.Generator().manual_seed(cfg.seed)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps_per_pass = math.ceil(len(rollouts) / cfg.minibatch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg, total_steps or steps_per_pass * cfg.mu, start_step))
+def micro_batches(rows: Sequence[int], ctx: DistContext, size: int) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of ``rows`` as ``(indices, active)``; every rank gets the same count.
 
-    # Fixed micro-batches (indices) so old / reference log-probs line up with the training passes.
-    def micro_batches(order: list[int]) -> list[list[int]]:
-        return [order[i: i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
-
-    fixed = micro_batches(list(range(len(rollouts))))
-    need_old = cfg.mu > 1 or (cfg.beta > 0 and cfg.reference == "old")
-    logp_old = _per_row(logprobs_of(model, [[rollouts[i] for i in mb] for mb in fixed], pad_id=pad_id, cfg=cfg,
-                                    device=device, desc="old log-probs"), fixed) if need_old else None
-    logp_ref = None
-    if cfg.beta > 0:
-        if cfg.reference == "old":
-            logp_ref = logp_old
-        else:
-            if ref_model is None:
-                raise ValueError("update.beta > 0 with reference 'sft' needs the reference model")
-            logp_ref = _per_row(logprobs_of(ref_model, [[rollouts[i] for i in mb] for mb in fixed], pad_id=pad_id,
-                                            cfg=cfg, device=device, desc="reference log-probs"), fixed)
-
-    history: list[dict] = []
-    step = 0
-    bar = tqdm(total=steps_per_pass * cfg.mu, desc="update", leave=False)
-    for epoch in range(cfg.mu):
-        order = torch.randperm(len(rollouts), generator=gen).tolist()
-        for lo in range(0, len(order), cfg.minibatch_size):
-            mini = order[lo: lo + cfg.minibatch_size]
-            t0 = time.perf_counter()
-            n_tok = sum(len(rollouts[i].completion_ids) for i in mini)
-            stats: dict[str, float] = {}
-            for mb in micro_batches(mini):
-                rows = [rollouts[i] for i in mb]
-                b = collate([r.prompt_ids for r in rows], [r.completion_ids for r in rows], pad_id=pad_id).to(device)
-                with autocast(cfg, device):
-                    logp, ent = completion_logprobs(model, b, with_entropy=True)
-                C = b.completion_ids.shape[1]
-                old = _stack(logp_old, mb, C, device) if logp_old is not None else logp.detach()
-                ref = _stack(logp_ref, mb, C, device) if logp_ref is not None else None
-                loss, m = grpo_loss(
-                    logp, old, _advantages(rows, C).to(device), b.completion_mask, logp_ref=ref,
-                    eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
-                    aggregation=cfg.aggregation, max_tokens=max(len(r.completion_ids) for r in rollouts),
-                    global_num_seqs=len(mini), global_num_tokens=n_tok)
-                if not torch.isfinite(loss):
-                    keys = ", ".join(r.key for r in rows[:4])
-                    raise NonFiniteError(f"non-finite loss {loss.item()} at step {step} (rows {keys}, ...)")
-                loss.backward()
-                _accumulate(stats, m, loss, ent, b, weight=len(mb) / len(mini))
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            if not torch.isfinite(grad_norm):
-                raise NonFiniteError(f"non-finite gradient norm {grad_norm.item()} at step {step}")
-            optimizer.step()
-            sched.step()
-            optimizer.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
-            stats.update(step=start_step + step, epoch=epoch, grad_norm=float(grad_norm), tokens=n_tok,
-                         tokens_per_s=n_tok / dt, lr=sched.get_last_lr()[0], peak_memory_mb=peak_memory_mb(device))
-            history.append(stats)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.4f}", kl=f"{stats.get('kl', 0):.4f}")
-            step += 1
-    bar.close()
-    return history, optimizer
+    Rank r takes ``rows[r::W]``; a rank with nothing left runs an inactive micro-batch (one row,
+    fully masked) so that all ranks run the same forwards and backwards.
+    """
+    shard = list(rows[ctx.rank:: ctx.world_size])
+    n = math.ceil(math.ceil(len(rows) / ctx.world_size) / size)
+    out = [(shard[k * size: (k + 1) * size], True) for k in range(n)]
+    return [(mb, True) if mb else ([rows[0]], False) for mb, _ in out]
 
 
-def _per_row(chunks: list[torch.Tensor], fixed: list[list[int]]) -> dict[int, torch.Tensor]:
-    """Split (b, C) micro-batch tensors back into one 1-D tensor per rollout index."""
-    return {i: chunk[j] for chunk, mb in zip(chunks, fixed) for j, i in enumerate(mb)}
+def _batch(rollouts: Sequence[Rollout], idx: list[int], active: bool, *, pad_id: int, device: torch.device):
+    rows = [rollouts[i] for i in idx]
+    b = collate([r.prompt_ids for r in rows], [r.completion_ids for r in rows], pad_id=pad_id).to(device)
+    if not active:
+        b.completion_mask.zero_()
+    return rows, b
 
 
-def _stack(per_row: dict[int, torch.Tensor], idx: list[int], C: int, device: torch.device) -> torch.Tensor:
-    out = torch.zeros(len(idx), C, device=device)                                  # (b, C)
-    for j, i in enumerate(idx):
-        t = per_row[i][:C]
-        out[j, : t.shape[0]] = t
+@torch.no_grad()
+def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], rows: Sequence[int], *, pad_id: int,
+                     cfg: UpdateConfig, device: torch.device, ctx: DistContext | None = None,
+                     desc: str = "log-probs") -> torch.Tensor:
+    """(N, C_max) float32 no-grad log-probs of ``rows`` under ``model`` (pi_old or pi_ref); other rows 0.
+
+    Each rank computes its shard of ``rows``; the result is summed over ranks, so all hold it all.
+    """
+    ctx = ctx or DistContext(device=device)
+    C = max(len(r.completion_ids) for r in rollouts)
+    out = torch.zeros(len(rollouts), C, device=device)                          # (N, C_max)
+    was_training = model.training
+    model.eval()
+    for idx, active in tqdm(micro_batches(list(rows), ctx, cfg.micro_batch_size), desc=desc, leave=False,
+                            disable=not ctx.is_main):
+        _, b = _batch(rollouts, idx, active, pad_id=pad_id, device=device)
+        with autocast(cfg, device):
+            lp, _ = completion_logprobs(model, b, chunk_size=cfg.logprob_chunk_size)   # (b, c)
+        if active:
+            out[torch.tensor(idx, device=device), : lp.shape[1]] = lp.float()
+    model.train(was_training)
+    return ctx.reduce(out) if ctx.world_size > 1 else out
+
+
+# Accumulated per-step statistics: sums over micro-batches and ranks, then min / max.
+_SUMS = ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "n_tokens",
+         "non_finite")
+
+
+def _micro_stats(loss: torch.Tensor, m: dict[str, torch.Tensor], ent: torch.Tensor, mask: torch.Tensor):
+    """This micro-batch's sums (token metrics times its valid tokens) and its ratio min / max."""
+    n = mask.sum().to(torch.float64)
+    tok = {k: m[k].detach().double() * n for k in ("clip_frac_low", "clip_frac_high", "ratio_mean")}
+    kl = torch.nan_to_num(m["kl"].detach().double() * n, nan=0.0)
+    ent_sum = (ent.detach().double() * mask).sum()
+    loss_d = loss.detach().double()
+    sums = torch.stack([loss_d, m["policy_loss"].detach().double(), kl, tok["clip_frac_low"], tok["clip_frac_high"],
+                        tok["ratio_mean"], ent_sum, n, (~torch.isfinite(loss_d)).double()])
+    return sums, m["ratio_min"].detach().double(), m["ratio_max"].detach().double()
+
+
+def _step_stats(sums: torch.Tensor, rmin: torch.Tensor, rmax: torch.Tensor, ctx: DistContext, *,
+                has_kl: bool) -> dict[str, float]:
+    sums, rmin, rmax = ctx.reduce(sums), ctx.reduce(rmin, "min"), ctx.reduce(rmax, "max")
+    s = dict(zip(_SUMS, sums.tolist()))
+    n = max(s["n_tokens"], 1.0)
+    W = ctx.world_size
+    out = {"loss": s["loss"] / W, "policy_loss": s["policy_loss"] / W}   # each rank's loss carries 1/W
+    if has_kl:
+        out["kl"] = s["kl"] / n
+    out.update({k: s[k] / n for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "entropy")})
+    out.update(ratio_min=float(rmin), ratio_max=float(rmax), non_finite=s["non_finite"])
     return out
 
 
-def _accumulate(stats: dict[str, float], m: dict[str, torch.Tensor], loss: torch.Tensor, ent: torch.Tensor,
-                b: Batch, *, weight: float) -> None:
-    """Token/sequence-weighted averages of the micro-batch metrics over the minibatch."""
-    mask = b.completion_mask.bool()
-    vals = {"loss": float(loss.detach()), "entropy": float(ent.detach()[mask].float().mean())}
-    vals.update({k: float(v) for k, v in m.items()})
-    for k, v in vals.items():
-        if k == "loss":
-            stats[k] = stats.get(k, 0.0) + v       # micro losses already carry the global normaliser
-        elif k == "ratio_min":
-            stats[k] = min(stats.get(k, v), v)
-        elif k == "ratio_max":
-            stats[k] = max(stats.get(k, v), v)
-        else:
-            stats[k] = stats.get(k, 0.0) + weight * v
+def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *, pad_id: int,
+          ref_model: torch.nn.Module | None = None, ref_logprobs: torch.Tensor | None = None,
+          device: torch.device | None = None, optimizer: torch.optim.Optimizer | None = None,
+          start_step: int = 0, max_tokens: int | None = None,
+          ctx: DistContext | None = None) -> tuple[list[dict], torch.optim.Optimizer]:
+    """Run the update in place on ``model``; return per-step metrics and the optimizer.
+
+    Parameters
+    ----------
+    model : an HF causal LM, or a :class:`PolicyModule` wrapped by ``grpo_pipeline.distributed.wrap``.
+    rollouts : the iteration's rows with a valid advantage.
+    ref_model, ref_logprobs : the reference (``reference: sft``, ``beta > 0``): a model, or its
+        precomputed (N, C_max) log-probs from :func:`rollout_logprobs` (then the caller can free it).
+    optimizer : carried over from the previous iteration (else a new AdamW over ``model``).
+    start_step : global optimizer steps already taken (learning-rate schedule, shuffling seed).
+    max_tokens : Dr. GRPO's constant normaliser (default ``cfg.max_tokens`` or the longest completion).
+    ctx : this process's place in a distributed run (default: one process).
+    """
+    if not rollouts:
+        raise ValueError("no rollouts with a valid advantage to train on")
+    if any(not r.completion_ids for r in rollouts):
+        bad = next(r.key for r in rollouts if not r.completion_ids)
+        msg = f"rollout {bad!r} has an empty completion; leave such rows out"
+        raise ValueError(msg)
+    module = model if is_policy_module(model) else PolicyModule(model, chunk_size=cfg.logprob_chunk_size)
+    device = device or next(module.parameters()).device
+    ctx = ctx or DistContext(device=device)
+    if cfg.gradient_checkpointing and not is_policy_module(model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = optimizer or make_optimizer(params, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, start_step))
+    max_tokens = max_tokens or cfg.max_tokens or max(len(r.completion_ids) for r in rollouts)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # The whole schedule up front: which rows a step after the first needs pi_old for.
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + start_step)
+    steps = [(epoch, order[lo: lo + cfg.minibatch_size])
+             for epoch in range(cfg.mu) for order in [torch.randperm(len(rollouts), generator=gen).tolist()]
+             for lo in range(0, len(rollouts), cfg.minibatch_size)]
+    later = sorted({i for _, mini in steps[1:] for i in mini})
+    ref_is_old = cfg.beta > 0 and cfg.reference == "old"
+    t_prep = time.perf_counter()
+    logp_old = (rollout_logprobs(module, rollouts, later, pad_id=pad_id, cfg=cfg, device=device, ctx=ctx,
+                                 desc="old log-probs") if later else None)
+    logp_ref = ref_logprobs.to(device) if ref_logprobs is not None else None
+    if cfg.beta > 0 and not ref_is_old and logp_ref is None:
+        if ref_model is None:
+            raise ValueError("update.beta > 0 with reference 'sft' needs the reference model or its log-probs")
+        logp_ref = rollout_logprobs(ref_model, rollouts, range(len(rollouts)), pad_id=pad_id, cfg=cfg, device=device,
+                                    ctx=ctx, desc="reference log-probs")
+    prep_s = time.perf_counter() - t_prep
+
+    history: list[dict] = []
+    bar = tqdm(total=len(steps), desc="update", leave=False, disable=not ctx.is_main)
+    for k, (epoch, mini) in enumerate(steps):
+        t0 = time.perf_counter()
+        n_tok = sum(len(rollouts[i].completion_ids) for i in mini)             # same on every rank
+        norm = {"global_num_seqs": len(mini) / ctx.world_size, "global_num_tokens": n_tok / ctx.world_size}
+        plan = micro_batches(mini, ctx, cfg.micro_batch_size)
+        sums, rmin, rmax = torch.zeros(len(_SUMS), dtype=torch.float64, device=device), None, None
+        bad_keys: list[str] = []
+        for j, (idx, active) in enumerate(plan):
+            rows, b = _batch(rollouts, idx, active, pad_id=pad_id, device=device)
+            C = b.completion_ids.shape[1]
+            sel = torch.tensor(idx, device=device)
+            with no_sync(module, ctx, sync=j == len(plan) - 1):
+                with autocast(cfg, device):
+                    logp, ent = completion_logprobs(module, b, with_entropy=True)   # (b, C) each
+                old = logp.detach() if k == 0 else logp_old[sel, :C]
+                ref = old if ref_is_old else (logp_ref[sel, :C] if logp_ref is not None else None)
+                loss, m = grpo_loss(logp, old, _advantages(rows, C).to(device), b.completion_mask, logp_ref=ref,
+                                    eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, beta=cfg.beta,
+                                    kl_estimator=cfg.kl_estimator, aggregation=cfg.aggregation,
+                                    max_tokens=max_tokens, **norm)
+                loss.backward()                                  # a non-finite loss is reported below
+            s, lo, hi = _micro_stats(loss, m, ent, b.completion_mask)
+            sums += s
+            rmin = lo if rmin is None else torch.minimum(rmin, lo)
+            rmax = hi if rmax is None else torch.maximum(rmax, hi)
+            if not bad_keys and not torch.isfinite(loss):
+                bad_keys = [r.key for r in rows[:4]]
+        stats = _step_stats(sums, rmin, rmax, ctx, has_kl=cfg.beta > 0 or logp_ref is not None)
+        if stats.pop("non_finite"):
+            where = f"rows {', '.join(bad_keys)}, ..." if bad_keys else "on another rank"
+            raise NonFiniteError(f"non-finite loss {stats['loss']} at step {start_step + k} ({where}); nothing written")
+        gnorm = grad_norm(params)
+        if not torch.isfinite(gnorm):
+            raise NonFiniteError(f"non-finite gradient norm {float(gnorm)} at step {start_step + k}; nothing written")
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, gnorm.to(device))
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        sched.step()
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        peak = float(ctx.reduce(torch.tensor([peak_memory_mb(device)], dtype=torch.float64), "max"))
+        stats.update(step=start_step + k, epoch=epoch, grad_norm=float(gnorm), lr=lr, tokens=n_tok,
+                     time_s=dt, tokens_per_s=n_tok / dt, peak_memory_mb=peak)
+        history.append(stats)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", kl=f"{stats.get('kl', 0):.4f}")
+    bar.close()
+    history[0]["prep_s"] = prep_s    # old / reference log-prob passes inside this call
+    return history, optimizer

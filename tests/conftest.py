@@ -18,3 +18,15 @@ def tiny_problems():
     from grpo_pipeline.data import generate_problems
 
     return generate_problems(n=24, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tiny_model):
+    """One vLLM engine (``VLLMBackend``) on the tiny model, started once for the whole session."""
+    pytest.importorskip("vllm")
+    from grpo_pipeline.sampling import VLLMBackend
+
+    backend = VLLMBackend(tiny_model, dtype="float32", max_model_len=512, gpu_memory_utilization=0.15,
+                          kv_cache_gib=0.25, seed=0)
+    yield backend
+    backend.close()

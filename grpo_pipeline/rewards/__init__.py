@@ -12,7 +12,10 @@ Total reward (spec 2.3: the sum of the rule rewards, here weighted)::
 null when one of those components is null (errored, or not applicable such as
 ``reasoning`` without an operation); the advantage stage leaves such rows out.
 Built-in weights come from ``reward.weights`` (a rule missing there weighs 0),
-custom ones from each ``reward.custom`` entry.
+custom ones from each ``reward.custom`` entry.  The ``tests`` rule (:mod:`.code`: run the
+completion's code against the row's ``tests`` in the sandbox) runs only when weighted or when
+the frame has a ``tests`` column, and adds ``tests_passed``, ``tests_total``, ``tests_reason``
+and ``tests_detail``.
 
 Errors: a row on which a reward fails gets a null value there and a
 ``reward_error`` entry.  ``reward.max_error_share`` is checked per batch for every
@@ -38,6 +41,7 @@ from typing import Any
 import polars as pl
 
 from grpo_pipeline.config import RewardConfig
+from grpo_pipeline.rewards import code as _code  # noqa: F401 - registers the "tests" rule
 from grpo_pipeline.rewards.custom import load_function, run_custom_reward
 from grpo_pipeline.rewards.rules import REWARD_RULES, get_rule, register_rule
 from grpo_pipeline.rewards.steps import STEP_SCORERS, score_steps, split_steps
@@ -53,6 +57,13 @@ __all__ = [
 ]
 
 REQUIRED = {"prompt_id": pl.Utf8, "sample_idx": None, "completion": pl.Utf8, "answer": pl.Utf8}
+#: Rules that run only when weighted or when the input has their column (running code costs time).
+OPT_IN_RULES = {"tests": "tests"}
+
+
+def _runs(name: str, df: pl.DataFrame, cfg: RewardConfig) -> bool:
+    col = OPT_IN_RULES.get(name)
+    return col is None or col in df.columns or cfg.weights.get(name, 0.0) != 0.0
 
 
 class RewardError(RuntimeError):
@@ -79,6 +90,10 @@ def _check_input(df: pl.DataFrame, cfg: RewardConfig) -> None:
             raise ValueError(msg)
     if cfg.weights.get("reasoning", 0.0) != 0.0 and "operation" not in df.columns:
         msg = "score_frame: reward.weights.reasoning is not 0 but the frame has no 'operation' column"
+        raise ValueError(msg)
+    if cfg.weights.get("tests", 0.0) != 0.0 and "tests" not in df.columns:
+        msg = ("score_frame: reward.weights.tests is not 0 but the frame has no 'tests' column. Hint: set "
+               "data.task: coding and score with --prompts (the score stage joins the tests on prompt_id)")
         raise ValueError(msg)
     names = [c.name for c in cfg.custom]
     clash = [n for n in names if n in REWARD_RULES or names.count(n) > 1]
@@ -141,8 +156,12 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
     components: dict[str, tuple[pl.Series, float]] = {}
     errors: list[pl.Series] = []
     metrics: dict[str, Any] = {"rows": df.height}
+    extras: list[pl.DataFrame] = []  # rule outputs beside the value, e.g. tests_reason
     for name, rule in REWARD_RULES.items():
-        values, errs = rule(df, rel_tol=cfg.rel_tol, format_partial_credit=cfg.format_partial_credit)
+        if not _runs(name, df, cfg):
+            continue
+        values, errs, *extra = rule(df, rel_tol=cfg.rel_tol, format_partial_credit=cfg.format_partial_credit, cfg=cfg)
+        extras += extra
         components[name] = (values, cfg.weights.get(name, 0.0))
         errors.append(errs)
         metrics[f"rewards/{name}/errors"] = _check_error_share(name, errs, df, cfg)
@@ -170,6 +189,7 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
         ).to_series(),
         steps=steps,
     )
+    out = pl.concat([out, *extras], how="horizontal") if extras else out
     for name in [*components, None]:
         col = out[f"reward_{name}" if name else "reward"]
         key = f"rewards/{name}" if name else "reward"

@@ -1,33 +1,70 @@
-"""sample@itN: G completions per prompt from the iteration's policy, streamed to Parquet."""
+"""sample@itN: G completions per prompt from the iteration's policy, streamed to Parquet shards.
+
+Output: ``<out>/part-00000.parquet`` ... one shard per data-parallel worker
+(``sampling.data_parallel_size``), each holding a contiguous slice of the iteration's prompts in
+order; readers glob ``<out>/*.parquet``. Every engine call (``sampling.batch_prompts`` prompts)
+is appended to its shard as one row group, so memory stays bounded. All shards are written into
+a temporary sibling directory that replaces ``<out>`` only when every worker succeeded
+(:func:`grpo_pipeline.io.atomic_dir`): an interrupted run leaves no final output, and the next run
+removes its leftovers. Because every request has its own seed, the rows do not depend on the
+number of workers.
+
+Workers (``data_parallel_size > 1``) are spawned processes with one engine each: on GPU worker
+``r`` sees GPUs ``[r * tp, (r + 1) * tp)`` of the visible ones (``CUDA_VISIBLE_DEVICES``), on
+CPU it is pinned to an equal share of the cores. With one worker the engine runs in the stage's
+own process.
+"""
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import sys
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
+import pyarrow as pa
 
 from grpo_pipeline import schemas
 from grpo_pipeline.checkpoint import load_tokenizer
 from grpo_pipeline.config import SamplingConfig
 from grpo_pipeline.io import atomic_dir
 from grpo_pipeline.run import summary
-from grpo_pipeline.sampling import Request, RolloutStats, SamplingSpec, make_backend, request_seed, select_prompts
-from grpo_pipeline.template import render_prompt
+from grpo_pipeline.sampling import (
+    Backend,
+    Request,
+    RolloutStats,
+    Sample,
+    SamplingSpec,
+    make_backend,
+    request_seed,
+    select_prompts,
+)
+from grpo_pipeline.template import render_prompt, task_of
 
-BATCH_PROMPTS = 256  # prompts per engine call: results reach the Parquet file in batches
+SEED_RULE = "completion k of prompt p: seed request_seed(sampling.seed, iteration, p) + k"
 
 
 def build_requests(prompts: pl.DataFrame, tokenizer, *, iteration: str, seed: int, max_prompt_len: int,
                    source: str) -> tuple[list[Request], list[str]]:
-    """Tokenised chat prompts, one per row; a prompt too long for the context is an error, never dropped."""
-    texts = [render_prompt(tokenizer, q) for q in prompts["question"].to_list()]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    """Tokenised chat prompts, one per row; a prompt too long for the context is an error, never dropped.
+
+    A row's instruction follows its task (``task_of(tests)``: coding when it has tests, else math).
+    """
+    tests = prompts["tests"].to_list() if "tests" in prompts.columns else [None] * prompts.height
+    texts = [render_prompt(tokenizer, q, task=task_of(t)) for q, t in zip(prompts["question"].to_list(), tests)]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     requests = []
     for pid, toks in zip(prompts["prompt_id"].to_list(), ids):
         if len(toks) > max_prompt_len:
             msg = (f"{source}: prompt {pid!r} has {len(toks)} tokens, more than the {max_prompt_len} left for it "
-                   "(sampling.max_model_len - max_new_tokens). Hint: raise sampling.max_model_len or shorten the prompt")
+                   "(sampling.max_model_len - max_new_tokens). "
+                   "Hint: raise sampling.max_model_len or shorten the prompt")
             raise ValueError(msg)
         requests.append(Request(pid, list(toks), request_seed(seed, iteration, pid)))
     return requests, texts
@@ -42,50 +79,199 @@ def spec_from(cfg: SamplingConfig, *, n: int | None = None, temperature: float |
     )
 
 
-def backend_for(cfg: SamplingConfig, policy: str):
+def backend_for(cfg: SamplingConfig, policy: str) -> Backend:
     return make_backend(
         cfg.backend, policy, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager, seed=cfg.seed,
+        enforce_eager=cfg.enforce_eager, seed=cfg.seed, in_process=cfg.engine_in_process,
+        chunked_prefill=cfg.chunked_prefill, kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=cfg.max_num_seqs,
+        cpu_threads=cfg.cpu_threads, hf_batch_size=cfg.hf_batch_size,
     )
 
 
+@dataclass
+class Shard:
+    """One worker's slice of the iteration: prompts ``[lo, hi)``, written to ``path``."""
+
+    rank: int
+    prompts: pl.DataFrame
+    texts: list[str]
+    requests: list[Request]
+    path: Path
+    meta: dict
+
+
+def shard_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous, near-equal slices of ``range(n)`` (the first ones one longer)."""
+    q, r = divmod(n, parts)
+    bounds, lo = [], 0
+    for k in range(parts):
+        hi = lo + q + (k < r)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
 def run(cfg: SamplingConfig, *, iteration: str, index: int, policy: str, prompts_path: str, out: str,
-        metrics_path: str | None) -> dict:
+        metrics_path: str | None, backend: Backend | None = None) -> dict:
+    """Sample the iteration's groups into ``out``; ``backend``: an engine already started (not closed here)."""
     prompts = schemas.read_table(prompts_path, "prompts")
+    if prompts.height == 0:
+        msg = f"{prompts_path}: the prompts file has no rows. Hint: rerun the prepare stage"
+        raise ValueError(msg)
     prompts = select_prompts(prompts, index=index, per_iteration=cfg.prompts_per_iteration, seed=cfg.seed)
-    tokenizer = load_tokenizer(policy)
+    tokenizer = getattr(backend, "tokenizer", None)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(policy)  # a missing tokenizer fails here, before any engine starts
     spec = spec_from(cfg)
     requests, texts = build_requests(prompts, tokenizer, iteration=iteration, seed=cfg.seed,
                                      max_prompt_len=cfg.max_model_len - cfg.max_new_tokens, source=prompts_path)
-    backend = backend_for(cfg, policy)
-    meta = {"iteration": iteration, "policy": policy, "sampling": cfg.model_dump(), **backend.versions()}
-    stats = RolloutStats(extra={"engine_startup_s": round(backend.startup_s, 2)})
+    dp = min(cfg.data_parallel_size, len(requests))
+    if backend is not None and dp > 1:
+        msg = "run(backend=...) serves one worker; sampling.data_parallel_size must be 1 with it"
+        raise ValueError(msg)
+    meta = {"iteration": iteration, "policy": policy, "sampling": cfg.model_dump(), "spec": spec.as_dict(),
+            "seed_rule": SEED_RULE, "shards": dp, "prompts_total": len(requests)}
+    stats = RolloutStats()
     with atomic_dir(out) as tmp:
-        with schemas.stream_writer(Path(tmp) / "part-00000.parquet", "rollouts", metadata=meta) as write:
-            for lo in range(0, len(requests), BATCH_PROMPTS):
-                batch = requests[lo: lo + BATCH_PROMPTS]
-                t0 = time.perf_counter()
-                samples = backend.generate(batch, spec)
-                stats.seconds += time.perf_counter() - t0
-                stats.add(samples)
-                write(rollout_frame(prompts[lo: lo + BATCH_PROMPTS], texts[lo: lo + BATCH_PROMPTS], batch, samples,
-                                    iteration=iteration, policy=policy))
+        shards = [Shard(rank, prompts[lo:hi], texts[lo:hi], requests[lo:hi], Path(tmp) / f"part-{rank:05d}.parquet",
+                        {**meta, "shard": rank, "prompt_range": [lo, hi]})
+                  for rank, (lo, hi) in enumerate(shard_bounds(len(requests), dp))]
+        if dp == 1:
+            own = backend is None
+            backend = backend_for(cfg, policy) if own else backend
+            try:
+                stats = sample_shard(backend, shards[0], spec, batch_prompts=cfg.batch_prompts)
+            finally:
+                if own:
+                    backend.close()
+        else:
+            for s in run_workers(cfg, policy, shards, spec):
+                stats.merge(s)
+    stats.extra["workers"] = dp
     metrics = stats.as_metrics()
     summary(f"sample@{iteration}", metrics, path=metrics_path)
     return metrics
 
 
-def rollout_frame(prompts: pl.DataFrame, texts: list[str], requests: list[Request], samples, *, iteration: str,
-                  policy: str) -> pl.DataFrame:
-    rows = []
-    for p, text, req, group in zip(prompts.iter_rows(named=True), texts, requests, samples):
-        for k, s in enumerate(group):
-            rows.append({
-                "iteration": iteration, "prompt_id": req.prompt_id, "sample_idx": k, "question": p["question"],
-                "answer": p["answer"], "operation": p["operation"], "prompt": text,
-                "prompt_token_ids": req.prompt_token_ids, "completion": s.text, "completion_token_ids": s.token_ids,
-                "completion_logprobs": s.logprobs, "finish_reason": s.finish_reason,
-                "prompt_len": len(req.prompt_token_ids), "completion_len": len(s.token_ids), "policy": policy,
-            })
-    return pl.DataFrame(rows, schema_overrides={"sample_idx": pl.Int32, "operation": pl.Utf8})
+def sample_shard(backend: Backend, shard: Shard, spec: SamplingSpec, *, batch_prompts: int) -> RolloutStats:
+    """Generate ``shard``'s groups batch by batch, appending each batch to its Parquet file as a row group."""
+    stats = RolloutStats(extra={"engine_startup_s": round(backend.startup_s, 2)})
+    meta = {**shard.meta, **backend.versions(), "engine": getattr(backend, "engine_args", {})}
+    with schemas.stream_writer(shard.path, "rollouts", metadata=meta) as write:
+        for lo in range(0, len(shard.requests), batch_prompts):
+            batch = shard.requests[lo: lo + batch_prompts]
+            t0 = time.perf_counter()
+            samples = backend.generate(batch, spec)
+            stats.seconds += time.perf_counter() - t0
+            stats.add(samples)
+            write(rollout_frame(shard.prompts[lo: lo + batch_prompts], shard.texts[lo: lo + batch_prompts], batch,
+                                samples, iteration=shard.meta["iteration"], policy=shard.meta["policy"]))
+    stats.extra["sample_s"] = round(stats.seconds, 3)
+    return stats
+
+
+# --------------------------------------------------------------------------- data-parallel workers
+def _device_env(cfg: SamplingConfig, dp: int) -> list[dict]:
+    """Per worker: the GPUs it sees (``CUDA_VISIBLE_DEVICES``) or, on CPU, the cores it is pinned to."""
+    import torch
+
+    tp = cfg.tensor_parallel_size
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < dp * tp:
+            msg = (f"sampling.data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} GPUs, "
+                   f"{len(gpus)} are visible")
+            raise ValueError(msg)
+        return [{"gpus": gpus[r * tp:(r + 1) * tp]} for r in range(dp)]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < dp:
+        msg = f"sampling.data_parallel_size={dp} needs at least {dp} CPU cores, this process may use {len(cores)}"
+        raise ValueError(msg)
+    return [{"cores": [c for i, c in enumerate(cores) if i * dp // len(cores) == r]} for r in range(dp)]
+
+
+def _worker(cfg_dict: dict, policy: str, shard: Shard, spec: SamplingSpec, device: dict, stats_path: str) -> None:
+    """Body of one spawned worker: pin devices, start an engine, write the shard and its stats."""
+    if "gpus" in device:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(device["gpus"])
+    else:
+        os.sched_setaffinity(0, device["cores"])
+        os.environ["OMP_NUM_THREADS"] = str(len(device["cores"]))
+    try:
+        cfg = SamplingConfig(**cfg_dict)
+        backend = backend_for(cfg, policy)
+        try:
+            stats = sample_shard(backend, shard, spec, batch_prompts=cfg.batch_prompts)
+        finally:
+            backend.close()
+        result = {"stats": stats.__dict__}
+    except BaseException as e:  # noqa: BLE001 (recorded for the parent, then re-raised as exit 1)
+        Path(stats_path).write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        traceback.print_exc()
+        sys.exit(1)
+    Path(stats_path).write_text(json.dumps(result))
+
+
+def run_workers(cfg: SamplingConfig, policy: str, shards: list[Shard], spec: SamplingSpec) -> list[RolloutStats]:
+    """Run one spawned worker per shard; any failure (or an interrupt here) stops all of them."""
+    ctx = mp.get_context("spawn")
+    devices = _device_env(cfg, len(shards))
+    procs = []
+    try:
+        for shard, device in zip(shards, devices):
+            stats_path = shard.path.with_suffix(".stats.json")
+            p = ctx.Process(target=_worker, args=(cfg.model_dump(), policy, shard, spec, device, str(stats_path)),
+                            name=f"sample-worker-{shard.rank}")
+            p.start()
+            procs.append((p, shard, stats_path))
+        results: dict[int, RolloutStats] = {}
+        pending = {p.sentinel: (p, shard, stats_path) for p, shard, stats_path in procs}
+        while pending:  # the first worker to fail stops the run (the others are terminated below)
+            for sentinel in mp_connection.wait(list(pending)):
+                p, shard, stats_path = pending.pop(sentinel)
+                p.join()
+                info = json.loads(stats_path.read_text()) if stats_path.exists() else {}
+                stats_path.unlink(missing_ok=True)
+                if p.exitcode != 0 or "stats" not in info:
+                    lo, hi = shard.meta["prompt_range"]
+                    msg = (f"sampling worker {shard.rank} (prompts {lo}..{hi - 1}) failed with exit code "
+                           f"{p.exitcode}: {info.get('error', 'no error recorded; see its output above')}")
+                    raise RuntimeError(msg)
+                results[shard.rank] = RolloutStats(**info["stats"])
+        return [results[k] for k in sorted(results)]
+    finally:
+        for p, _, _ in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join()
+
+
+def rollout_frame(prompts: pl.DataFrame, texts: list[str], requests: list[Request], samples: list[list[Sample]], *,
+                  iteration: str, policy: str) -> pl.DataFrame:
+    """One row per completion, in the rollouts schema (grpo_pipeline/schemas.py); built as Arrow (fast)."""
+    g = [len(group) for group in samples]  # completions per prompt
+
+    def rep(values: list) -> list:  # a per-prompt value, once per completion row
+        return [v for v, k in zip(values, g) for _ in range(k)]
+
+    flat = [s for group in samples for s in group]
+    cols = {
+        "iteration": pa.array([iteration] * len(flat), pa.string()),
+        "prompt_id": pa.array(rep([r.prompt_id for r in requests]), pa.string()),
+        "sample_idx": pa.array([k for n in g for k in range(n)], pa.int32()),
+        "question": pa.array(rep(prompts["question"].to_list()), pa.string()),
+        "answer": pa.array(rep(prompts["answer"].to_list()), pa.string()),
+        "operation": pa.array(rep(prompts["operation"].to_list()), pa.string()),
+        "prompt": pa.array(rep(texts), pa.string()),
+        "prompt_token_ids": pa.array(rep([r.prompt_token_ids for r in requests]), pa.list_(pa.int32())),
+        "completion": pa.array([s.text for s in flat], pa.string()),
+        "completion_token_ids": pa.array([s.token_ids for s in flat], pa.list_(pa.int32())),
+        "completion_logprobs": pa.array([s.logprobs for s in flat], pa.list_(pa.float32())),
+        "finish_reason": pa.array([s.finish_reason for s in flat], pa.string()),
+        "prompt_len": pa.array(rep([len(r.prompt_token_ids) for r in requests]), pa.int32()),
+        "completion_len": pa.array([len(s.token_ids) for s in flat], pa.int32()),
+        "policy": pa.array([policy] * len(flat), pa.string()),
+    }
+    return pl.from_arrow(pa.table(cols))

@@ -1,21 +1,30 @@
-"""update@itN: one GRPO policy update from the iteration's rollouts and advantages."""
+"""update@itN: one GRPO policy update from the iteration's rollouts and advantages.
+
+Order, to keep peak memory low: the reference's log-probs are computed first and the reference is
+freed before the policy and its optimizer exist.  Then the policy trains (see
+``grpo_pipeline.update``), and rank 0 writes, in this order and each atomically: the next
+checkpoint, the carried AdamW state (``grpo_pipeline.train_state``), the metrics.  A failure
+before the end (a non-finite loss or gradient included) leaves all of them as they were.
+"""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import polars as pl
 import torch
 
-from grpo_pipeline import schemas
+from grpo_pipeline import distributed, schemas, train_state
 from grpo_pipeline.advantages import token_advantages_from_steps
 from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint_metadata, save_checkpoint
 from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.io import write_json
 from grpo_pipeline.run import summary
-from grpo_pipeline.update import Rollout, train
+from grpo_pipeline.update import Rollout, make_optimizer, rollout_logprobs, train
 
 ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids"]
+MEAN_KEYS = ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "grad_norm")
 
 
 def load_rollouts(rollouts: str, advantages: str, tokenizer) -> tuple[list[Rollout], int, str]:
@@ -44,39 +53,119 @@ def load_rollouts(rollouts: str, advantages: str, tokenizer) -> tuple[list[Rollo
     return rows, n_masked, ro["iteration"][0]
 
 
-def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str, advantages: str, out: str,
-        metrics_path: str | None, steps_path: str | None) -> dict:
-    t_start = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(policy)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows, n_masked, iteration = load_rollouts(rollouts, advantages, tokenizer)
-    model = load_model(policy, dtype="float32", device=device)
-    ref_model = None
-    if cfg.beta > 0 and cfg.reference == "sft":
-        if not reference:
-            raise ValueError("update.reference is 'sft' but no reference checkpoint was given (--reference)")
-        ref_model = load_model(reference, dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32",
-                               device=device).eval().requires_grad_(False)
-    prev = read_checkpoint_metadata(policy).get("train_state", {})
-    start_step = int(prev.get("global_step", 0))
-    history, _ = train(model, rows, cfg, pad_id=pad_id, ref_model=ref_model, device=device, start_step=start_step)
-    del ref_model
-    meta = {**read_checkpoint_metadata(policy), "parent": policy,
-            "train_state": {"global_step": start_step + len(history), "iteration": iteration}}
-    save_checkpoint(model, tokenizer, out, metadata=meta)
+def _budget(rollouts: str) -> int | None:
+    """The sampler's ``max_new_tokens`` (Dr. GRPO's constant), from the rollouts' metadata."""
+    try:
+        return int(schemas.read_metadata(rollouts, "rollouts")["sampling"]["max_new_tokens"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
-    keys = ["loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "grad_norm"]
-    metrics = {k: round(sum(h[k] for h in history) / len(history), 6) for k in keys if k in history[0]}
+
+class _FullState:
+    """Saves ``model`` (sharded) with a gathered full state dict."""
+
+    def __init__(self, model, state_dict: dict) -> None:
+        self.model, self.state_dict = model, state_dict
+
+    def save_pretrained(self, path, **kw) -> None:
+        self.model.save_pretrained(path, state_dict=self.state_dict, **kw)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _reference_logprobs(cfg: UpdateConfig, reference: str | None, rows: list[Rollout], *, pad_id: int,
+                        ctx: distributed.DistContext) -> torch.Tensor | None:
+    if not (cfg.beta > 0 and cfg.reference == "sft"):
+        return None
+    if not reference:
+        raise ValueError("update.reference is 'sft' but no reference checkpoint was given (--reference)")
+    ref = load_model(reference, dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32",
+                     device=distributed.load_device(ctx))
+    module = distributed.wrap(ref.eval().requires_grad_(False), ctx, cfg, train=False)
+    out = rollout_logprobs(module, rows, range(len(rows)), pad_id=pad_id, cfg=cfg, device=ctx.device, ctx=ctx,
+                           desc="reference log-probs")
+    del module, ref
+    _free(ctx.device)
+    return out
+
+
+def iteration_metrics(history: list[dict], *, wall_s: float) -> dict:
+    """Per-iteration summary of the per-step metrics."""
+    metrics = {k: round(sum(h[k] for h in history) / len(history), 6) for k in MEAN_KEYS if k in history[0]}
+    train_s = sum(h["time_s"] for h in history) + history[0].get("prep_s", 0.0)
+    tokens = sum(h["tokens"] for h in history)
     metrics.update(
-        ratio_min=round(min(h["ratio_min"] for h in history), 6), ratio_max=round(max(h["ratio_max"] for h in history), 6),
-        steps=len(history), sequences=len(rows), masked=n_masked,
-        tokens_per_s=round(sum(h["tokens"] for h in history) / sum(h["tokens"] / h["tokens_per_s"] for h in history), 2),
+        ratio_min=round(min(h["ratio_min"] for h in history), 6),
+        ratio_max=round(max(h["ratio_max"] for h in history), 6),
+        steps=len(history), tokens=tokens, lr_last=history[-1]["lr"],
+        tokens_per_s=round(tokens / train_s, 2),                       # incl. the old log-prob pass
+        step_tokens_per_s=round(tokens / sum(h["time_s"] for h in history), 2),
         peak_memory_mb=round(max(h["peak_memory_mb"] for h in history), 1),
-        wall_s=round(time.perf_counter() - t_start, 2),
+        wall_s=round(wall_s, 2),
     )
-    if steps_path:
-        write_json(steps_path, [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()} for h in history])
-    summary(f"update@{iteration}", metrics, path=metrics_path)
     return metrics
+
+
+def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str, advantages: str, out: str,
+        metrics_path: str | None, steps_path: str | None, state_dir: str | None = None) -> dict:
+    """Train on the iteration's rollouts and write ``out`` (and the carried state, the metrics) from rank 0."""
+    t_start = time.perf_counter()
+    ctx = distributed.init(cfg.distributed.strategy)
+    try:
+        torch.manual_seed(cfg.seed)
+        tokenizer = load_tokenizer(policy)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        rows, n_masked, iteration = load_rollouts(rollouts, advantages, tokenizer)
+        if not rows:
+            raise ValueError(f"{advantages}: no rollouts with a valid advantage to train on (all {n_masked} masked)")
+        prev = read_checkpoint_metadata(policy)
+        start_step = int(prev.get("train_state", {}).get("global_step", 0))
+        ref_lp = _reference_logprobs(cfg, reference, rows, pad_id=pad_id, ctx=ctx)
+
+        model = load_model(policy, dtype="float32", device=distributed.load_device(ctx))
+        module = distributed.wrap(model, ctx, cfg)
+        optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad], cfg)
+        carry = cfg.optimizer_state == "carry" and state_dir is not None
+        state, reason = None, ("fresh: update.optimizer_state is 'fresh'" if cfg.optimizer_state == "fresh"
+                               else "fresh: no optimizer state directory given")
+        if carry:
+            state, reason = train_state.load_state(state_dir, policy) if ctx.is_main else (None, "")
+            reason = ctx.broadcast_object(reason)
+        if reason == "resumed":
+            distributed.load_optimizer_state(module, optimizer, state, ctx)
+            for g in optimizer.param_groups:   # this iteration's hyper-parameters; the moments carry over
+                g.update(lr=cfg.lr, initial_lr=cfg.lr, weight_decay=cfg.weight_decay)
+        del state
+        if ctx.is_main:
+            print(f"[update@{iteration}] optimizer state: {reason}", flush=True)
+
+        history, optimizer = train(module, rows, cfg, pad_id=pad_id, ref_logprobs=ref_lp, device=ctx.device,
+                                   optimizer=optimizer, start_step=start_step, max_tokens=_budget(rollouts), ctx=ctx)
+        global_step = start_step + len(history)
+        full = distributed.full_model_state(module, ctx)                      # collective
+        opt_state = distributed.full_optimizer_state(module, optimizer, ctx) if carry else None
+        if ctx.is_main:
+            meta = {**prev, "parent": policy, "train_state": {
+                "global_step": global_step, "iteration": iteration, "optimizer_state": reason.split(":")[0],
+                "strategy": cfg.distributed.strategy, "world_size": ctx.world_size}}
+            saver = model if cfg.distributed.strategy != "fsdp" else _FullState(model, full)
+            save_checkpoint(saver, tokenizer, out, metadata=meta)
+            if carry:
+                train_state.save_state(state_dir, opt_state, checkpoint=out, global_step=global_step)
+        del full, opt_state
+        metrics = iteration_metrics(history, wall_s=time.perf_counter() - t_start)
+        metrics.update(sequences=len(rows), masked=n_masked, world_size=ctx.world_size,
+                       optimizer_state=reason.split(":")[0])
+        if ctx.is_main:
+            if steps_path:
+                write_json(steps_path, [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}
+                                        for h in history])
+            summary(f"update@{iteration}", metrics, path=metrics_path)
+        ctx.barrier()
+        return metrics
+    finally:
+        distributed.close(ctx)
