@@ -132,7 +132,8 @@ def test_plots_render_in_headless_chromium(repo):
     r = subprocess.run([chromium, *flags, html.as_uri()], capture_output=True, text=True, timeout=180)
     dom = r.stdout
     # vega-embed replaced each plot's placeholder with a drawn chart (a canvas with a size)
-    drawn = re.findall(r'<canvas[^>]*class="marks"[^>]*width="(\d+)"', dom)
+    canvases = [c for c in re.findall(r"<canvas[^>]*>", dom) if 'class="marks"' in c]
+    drawn = [re.search(r'width="(\d+)"', c).group(1) for c in canvases]
     titles = ["train reward per iteration", "eval accuracy and format per checkpoint",
               "completion length per iteration", "KL and clip fraction per iteration"]
     assert len(drawn) >= len(titles) and all(int(w) > 50 for w in drawn), dom[:2000]
