@@ -82,7 +82,8 @@ def test_verdicts(verdicts, case, passed, reason):
 
 def test_timeout_is_enforced_on_time(verdicts):
     for case in ("timeout", "load_loop"):  # a loaded machine may extend these, never past 4x
-        assert FAST.timeout_s <= verdicts[case].seconds < 4 * FAST.timeout_s + 0.5, verdicts[case]
+        # the CPU limit (SIGXCPU) may fire a hair before the wall clock
+        assert 0.9 * FAST.timeout_s <= verdicts[case].seconds < 4 * FAST.timeout_s + 0.5, verdicts[case]
     assert FAST.timeout_s <= verdicts["sleep"].seconds < FAST.timeout_s + 1.0, verdicts["sleep"]
     assert verdicts["correct"].seconds < 0.5
 
@@ -185,14 +186,17 @@ def test_writes_and_deletes_outside_are_denied(mode, outside):
     }
     vs = dict(zip(progs, run_programs([Program(c, ("pass",)) for c in progs.values()], limits=FAST)))
     for name, v in vs.items():
-        assert v.reason == "forbidden" and "filesystem" in v.detail, (name, v)
+        # denied, or (for a checkout under /tmp, which the sandbox replaces by its own tmpfs) not even visible
+        contained = (v.reason == "forbidden" and "filesystem" in v.detail) or (
+            name == "project" and v.reason == "error" and "FileNotFoundError" in (v.detail or ""))
+        assert contained, (name, v)
     assert target.read_text() == "original" and sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
     assert not list(ROOT.glob("escape-*.txt"))
 
 
 def test_project_and_home_are_hidden_and_workdir_is_fresh(mode, monkeypatch):
     monkeypatch.chdir(ROOT)
-    code = (f"import os\nassert os.listdir({str(ROOT)!r}) == []\n"
+    code = (f"import os\nassert not os.path.exists({str(ROOT)!r}) or os.listdir({str(ROOT)!r}) == []\n"
             f"assert not os.path.exists({str(ROOT / 'pyproject.toml')!r})\n"
             "assert os.listdir('.') == [] and os.getcwd() == os.environ['HOME']\n"
             "open('mine.txt', 'w').write('scratch is fine')\n")
@@ -253,5 +257,8 @@ def test_userns_mode_contains_the_same(mode, monkeypatch):
     ], FAST)
     if hello.get("mode") != "userns":
         pytest.skip(f"no user namespaces here: {hello}")
-    assert [v.reason for v in vs] == ["ok", "timeout", "memory", "forbidden", "forbidden", "ok"], vs
+    reasons = [v.reason for v in vs]
+    if reasons[3] == "error" and "FileNotFoundError" in (vs[3].detail or ""):  # checkout under /tmp: not visible
+        reasons[3] = "forbidden"
+    assert reasons == ["ok", "timeout", "memory", "forbidden", "forbidden", "ok"], vs
     assert not (ROOT / "escape.txt").exists()
