@@ -39,7 +39,7 @@ from typing import Any
 
 import polars as pl
 
-from grpo_pipeline.data import PROBLEM_COLUMNS, PROBLEM_SCHEMA, SUPPORTED_SUFFIXES, _read_records
+from grpo_pipeline.data import PROBLEM_COLUMNS, PROBLEM_SCHEMA, read_user_records
 
 __all__ = ["FAMILIES", "TASK_COLUMNS", "TASK_SCHEMA", "add_task_columns", "generate_tasks", "load_tasks",
            "split_tests"]
@@ -280,18 +280,7 @@ def load_tasks(
         (each names the file and the 1-based row).
     """
     path = Path(path)
-    if path.suffix not in SUPPORTED_SUFFIXES:
-        msg = f"{path}: unsupported file type {path.suffix!r}. Supported extensions are: {list(SUPPORTED_SUFFIXES)}"
-        raise ValueError(msg)
-    records = _read_records(path)
-    if not records:
-        msg = f"{path}: no rows"
-        raise ValueError(msg)
-    available = list(dict.fromkeys(k for r in records for k in r))
-    for field in (prompt_field, tests_field, reference_field, id_field):
-        if field is not None and field not in available:
-            msg = f"{path}: column {field!r} not found. Available columns: {available}"
-            raise ValueError(msg)
+    records = read_user_records(path, [prompt_field, tests_field, reference_field, id_field])
     rows, ids = [], set()
     for i, rec in enumerate(records):
         where = f"{path}: row {i + 1} (1-based)"

@@ -361,6 +361,23 @@ def _read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def read_user_records(path: Path, fields: Sequence[str | None]) -> list[dict[str, Any]]:
+    """The rows of a user JSONL / Parquet file; errors name the file and any missing column in ``fields``."""
+    if path.suffix not in SUPPORTED_SUFFIXES:
+        msg = f"{path}: unsupported file type {path.suffix!r}. Supported extensions are: {list(SUPPORTED_SUFFIXES)}"
+        raise ValueError(msg)
+    records = _read_records(path)
+    if not records:
+        msg = f"{path}: no rows"
+        raise ValueError(msg)
+    available = list(dict.fromkeys(key for record in records for key in record))
+    for field in fields:
+        if field is not None and field not in available:
+            msg = f"{path}: column {field!r} not found. Available columns: {available}"
+            raise ValueError(msg)
+    return records
+
+
 def load_problems(
     path: str | Path, *, question_field: str = "question", answer_field: str = "answer",
     solution_field: str | None = None, id_field: str | None = None,
@@ -381,18 +398,7 @@ def load_problems(
         empty or null question/answer (names the file and the 1-based row); duplicate ids.
     """
     path = Path(path)
-    if path.suffix not in SUPPORTED_SUFFIXES:
-        msg = f"{path}: unsupported file type {path.suffix!r}. Supported extensions are: {list(SUPPORTED_SUFFIXES)}"
-        raise ValueError(msg)
-    records = _read_records(path)
-    if not records:
-        msg = f"{path}: no rows"
-        raise ValueError(msg)
-    available = list(dict.fromkeys(key for record in records for key in record))
-    for field in [question_field, answer_field, solution_field, id_field]:
-        if field is not None and field not in available:
-            msg = f"{path}: column {field!r} not found. Available columns: {available}"
-            raise ValueError(msg)
+    records = read_user_records(path, [question_field, answer_field, solution_field, id_field])
     rows, seen_ids = [], set()
     for i, record in enumerate(records):
         question, answer = _as_text(record.get(question_field)), _as_text(record.get(answer_field))
