@@ -15,12 +15,18 @@ from tqdm.auto import tqdm
 
 from grpo_pipeline.config import SFTConfig
 from grpo_pipeline.policy import collate, completion_logprobs
-from grpo_pipeline.template import demonstration, render_prompt
+from grpo_pipeline.template import demonstration, render_prompt, task_of
 
 
 def build_demonstrations(problems: pl.DataFrame, tokenizer, *, max_length: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) per problem; the completion ends with the EOS token."""
-    prompts = [render_prompt(tokenizer, q) for q in problems["question"].to_list()]
+    """(prompt ids, completion ids) per problem; the completion ends with the EOS token.
+
+    Each row gets its task's instruction (coding when it has ``tests``, the one sampling uses);
+    rows without a reference answer (user coding tasks without a solution) are skipped.
+    """
+    problems = problems.filter(pl.col("answer").is_not_null() & (pl.col("answer").str.strip_chars() != ""))
+    tests = problems["tests"].to_list() if "tests" in problems.columns else [None] * problems.height
+    prompts = [render_prompt(tokenizer, q, task=task_of(t)) for q, t in zip(problems["question"].to_list(), tests)]
     eos = tokenizer.eos_token or ""
     targets = [demonstration(s, a) + eos for s, a in zip(problems["solution"].to_list(), problems["answer"].to_list())]
     p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
@@ -70,7 +76,7 @@ def train_sft(model: torch.nn.Module, demos: list[tuple[list[int], list[int]]], 
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            history.append({"step": step, "loss": float(loss), "grad_norm": float(gn), "tokens": n_tok})
+            history.append({"step": step, "loss": float(loss.detach()), "grad_norm": float(gn), "tokens": n_tok})
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}")
             step += 1

@@ -46,7 +46,7 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
 def repo(tmp_path_factory, tiny_model) -> Path:
     repo = tmp_path_factory.mktemp("e2e") / "repo"
     repo.mkdir()
-    for name in ("dvc.yaml", "stages", "grpo_pipeline"):
+    for name in ("dvc.yaml", ".gitignore", "stages", "grpo_pipeline"):  # the real .gitignore
         src = ROOT / name
         (shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir()
          else shutil.copy(src, repo / name))

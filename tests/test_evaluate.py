@@ -36,3 +36,23 @@ def test_judge_matches_hand_checked_verdicts():
                                                (10, 3, 1, 0.3), (3, 1, 3, 1.0)])
 def test_pass_at_k(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_judge_coding_rows_run_the_hidden_tests_all_or_nothing():
+    """A coding prompt is accurate only when its code passes every test (real sandbox); math rows unchanged."""
+    tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
+    rows = [  # (completion, tests, accuracy, format)
+        ("<think>sum</think><answer>def add(a, b):\n    return a + b</answer>", tests, 1.0, 1.0),
+        ("<think>half</think><answer>def add(a, b):\n    return 3</answer>", tests, 0.0, 1.0),   # passes 1 of 2
+        ("<answer>```python\ndef add(a, b):\n    return a + b\n```</answer>", tests, 1.0, 0.0),
+        ("def add(a, b): return a + b", tests, 0.0, 0.0),                                       # no answer block
+        ("<think>3 + 4 = 7</think><answer>7</answer>", None, 1.0, 1.0),                           # a math row
+    ]
+    df = pl.DataFrame({"prompt_id": [f"p{i}" for i in range(len(rows))], "sample_idx": [0] * len(rows),
+                       "completion": [r[0] for r in rows], "answer": ["def add(a, b): return a + b"] * 4 + ["7"],
+                       "operation": [None] * len(rows), "tests": [r[1] for r in rows],
+                       "entry_point": ["add"] * 4 + [None]},
+                      schema_overrides={"sample_idx": pl.Int32, "operation": pl.Utf8, "tests": pl.List(pl.Utf8)})
+    out = judge(df)
+    assert out["accuracy"].to_list() == [r[2] for r in rows]
+    assert out["format"].to_list() == [r[3] for r in rows]

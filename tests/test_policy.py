@@ -1,5 +1,6 @@
 """Batched, padded log-probs equal per-sequence unpadded ones; the update and SFT loops move the weights."""
 
+import polars as pl
 import pytest
 import torch
 
@@ -86,3 +87,17 @@ def test_sft_masks_prompt_and_lowers_loss(model, tiny_model, tiny_problems):
     with torch.no_grad():
         last, _ = sft_loss(model, [d[0] for d in demos], [d[1] for d in demos], pad_id=tok.pad_token_id)
     assert float(last) < 0.8 * float(first)
+
+
+def test_sft_coding_demos_use_the_coding_instruction_and_skip_rows_without_reference(tiny_model):
+    from grpo_pipeline.coding import generate_tasks
+    from grpo_pipeline.template import CODING_SYSTEM_PROMPT
+
+    tok = load_tokenizer(tiny_model)
+    tasks = generate_tasks(n=3, seed=0)
+    tasks = tasks.with_columns(answer=pl.when(pl.int_range(pl.len()) == 1).then(pl.lit("")).otherwise("answer"))
+    demos = build_demonstrations(tasks, tok, max_length=1024)
+    assert len(demos) == 2                                    # the row without a reference is not trained on
+    prompt = tok.decode(demos[0][0])
+    assert CODING_SYSTEM_PROMPT[:40] in prompt and tasks["question"][0][:30] in prompt
+    assert "</answer>" in tok.decode(demos[0][1]) and tasks["answer"][0] in tok.decode(demos[0][1])

@@ -1,7 +1,9 @@
 """evaluate: greedy accuracy and format compliance of a checkpoint on the held-out prompts.
 
 Decoding goes through the same sampling backend as ``sample`` (greedy: temperature 0), and
-completions are judged by the same rule rewards as training (accuracy and strict format).
+completions are judged by the same rule rewards as training (accuracy and strict format); a
+coding prompt (one with ``tests``) is correct when its code passes every hidden test in the
+sandbox (default ``reward.tests`` limits).
 With ``evaluate.pass_k`` set, ``pass_samples`` sampled completions per prompt also give the
 unbiased pass@k estimate of Chen et al. (2021): ``1 - C(n - c, k) / C(n, k)``.
 """
@@ -14,19 +16,28 @@ import polars as pl
 
 from grpo_pipeline import schemas
 from grpo_pipeline.checkpoint import load_tokenizer
-from grpo_pipeline.config import EvaluateConfig, RewardConfig, SamplingConfig
+from grpo_pipeline.config import EvaluateConfig, RewardConfig, SamplingConfig, TestsRewardConfig
 from grpo_pipeline.rewards import score_frame
 from grpo_pipeline.run import summary
 from grpo_pipeline.run.sample import backend_for, build_requests, spec_from
 
 EVAL_REWARDS = RewardConfig(weights={"accuracy": 1.0, "format": 1.0}, step_scorer=None)
+CODING_EVAL_REWARDS = RewardConfig(weights={"accuracy": 1.0, "format": 1.0, "tests": 1.0}, step_scorer=None,
+                                   tests=TestsRewardConfig(all_or_nothing=True))
 
 
 def judge(completions: pl.DataFrame) -> pl.DataFrame:
-    """Add ``accuracy`` and ``format`` (1/0) to rows with ``prompt_id, sample_idx, completion, answer``."""
-    scored, _ = score_frame(completions, EVAL_REWARDS)
-    return completions.with_columns(accuracy=scored["reward_accuracy"].fill_null(0.0),
-                                    format=scored["reward_format"].fill_null(0.0))
+    """Add ``accuracy`` and ``format`` (1/0) to rows with ``prompt_id, sample_idx, completion, answer``.
+
+    Rows with ``tests`` (coding prompts; ``entry_point`` beside it) are accurate when all tests pass.
+    """
+    coding = "tests" in completions.columns and completions["tests"].is_not_null().any()
+    scored, _ = score_frame(completions, CODING_EVAL_REWARDS if coding else EVAL_REWARDS)
+    accuracy = scored["reward_accuracy"]
+    if coding:
+        accuracy = pl.select(pl.when(completions["tests"].is_not_null()).then(scored["reward_tests"])
+                             .otherwise(accuracy)).to_series()
+    return completions.with_columns(accuracy=accuracy.fill_null(0.0), format=scored["reward_format"].fill_null(0.0))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -45,7 +56,8 @@ def eval_metrics(result: pl.DataFrame) -> dict:
 
 
 def _frame(df: pl.DataFrame, samples, k: int = 0) -> pl.DataFrame:
-    return df.select("prompt_id", "answer", "operation").with_columns(
+    keep = [c for c in ("prompt_id", "answer", "operation", "tests", "entry_point") if c in df.columns]
+    return df.select(keep).with_columns(
         sample_idx=pl.lit(k, pl.Int32), completion=pl.Series([g[k].text for g in samples], dtype=pl.Utf8),
         completion_len=pl.Series([len(g[k].token_ids) for g in samples], dtype=pl.Int32),
         finish_reason=pl.Series([g[k].finish_reason for g in samples], dtype=pl.Utf8))
@@ -61,7 +73,7 @@ def run(cfg: EvaluateConfig, sampling: SamplingConfig, *, name: str, checkpoint:
                                  max_prompt_len=sampling.max_model_len - cfg.max_new_tokens, source=prompts)
     backend = backend_for(sampling, checkpoint)
     greedy = backend.generate(requests, spec_from(sampling, n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens))
-    result = judge(_frame(df, greedy)).with_columns(checkpoint=pl.lit(name))
+    result = judge(_frame(df, greedy)).with_columns(checkpoint=pl.lit(name)).drop("tests", "entry_point", strict=False)
     metrics = eval_metrics(result)
     if cfg.pass_k:
         spec = spec_from(sampling, n=cfg.pass_samples, temperature=cfg.pass_temperature,

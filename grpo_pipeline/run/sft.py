@@ -24,6 +24,9 @@ def run(cfg: SFTConfig, *, base: str, prompts: str, out: str, metrics_path: str 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(base, dtype="float32", device=device)
     demos = build_demonstrations(problems, tokenizer, max_length=cfg.max_length)
+    if not demos:
+        raise ValueError(f"{prompts}: no row has a reference `answer` to build SFT demonstrations from "
+                         f"({problems.height} rows read). Hint: give the tasks reference solutions")
     history = train_sft(model, demos, cfg, pad_id=pad_id)
     save_checkpoint(model, tokenizer, out, metadata={**read_checkpoint_metadata(base), "parent": base,
                                                       "sft": cfg.model_dump()})
