@@ -135,7 +135,10 @@ def wrap(lm: torch.nn.Module, ctx: DistContext, cfg: UpdateConfig, *, train: boo
     """``lm`` as a :class:`PolicyModule`, wrapped for ``ctx.strategy`` (``train=False``: a frozen reference)."""
     if train and cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    module = PolicyModule(lm, chunk_size=cfg.logprob_chunk_size)
+    # FSDP2 all-gathers a layer's weights on each call: every rank must call the decoder as often as the
+    # others, so the shared-prompt forward (two decoder calls, only where a micro-batch shares prompts) is off.
+    module = PolicyModule(lm, chunk_size=cfg.logprob_chunk_size,
+                          share_prompts=not (ctx.strategy == "fsdp" and ctx.world_size > 1))
     if ctx.strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -78,7 +78,7 @@ def train_sft(model: torch.nn.Module, demos: list[tuple[list[int], list[int]]], 
             opt.zero_grad(set_to_none=True)
             history.append({"step": step, "loss": float(loss.detach()), "grad_norm": float(gn), "tokens": n_tok})
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
             step += 1
     bar.close()
     return history

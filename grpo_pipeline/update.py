@@ -137,7 +137,8 @@ def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], rows: 
     out = torch.zeros(len(rollouts), C, device=device)                          # (N, C_max)
     was_training = model.training
     model.eval()
-    for idx, active in tqdm(micro_batches(list(rows), ctx, cfg.micro_batch_size), desc=desc, leave=False,
+    order = sorted(rows, key=lambda i: (rollouts[i].prompt_ids, i))             # groups together: shared prompts
+    for idx, active in tqdm(micro_batches(order, ctx, cfg.micro_batch_size), desc=desc, leave=False,
                             disable=not ctx.is_main):
         _, b = _batch(rollouts, idx, active, pad_id=pad_id, device=device)
         with autocast(cfg, device):
@@ -240,7 +241,9 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         t0 = time.perf_counter()
         n_tok = sum(len(rollouts[i].completion_ids) for i in mini)             # same on every rank
         norm = {"global_num_seqs": len(mini) / ctx.world_size, "global_num_tokens": n_tok / ctx.world_size}
-        plan = micro_batches(mini, ctx, cfg.micro_batch_size)
+        # A group's rows side by side, so micro-batches share prompts (policy._shared_prompt_hidden);
+        # the order inside a minibatch does not change its summed gradient.
+        plan = micro_batches(sorted(mini, key=lambda i: (rollouts[i].prompt_ids, i)), ctx, cfg.micro_batch_size)
         sums, rmin, rmax = torch.zeros(len(_SUMS), dtype=torch.float64, device=device), None, None
         bad_keys: list[str] = []
         for j, (idx, active) in enumerate(plan):

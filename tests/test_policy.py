@@ -47,6 +47,42 @@ def test_padded_batch_logprobs_equal_unpadded(model):
             torch.testing.assert_close(lp[i, : len(r.completion_ids)], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, monkeypatch):
+    """Rows of a group share their prompt: it runs once, its KV cache feeds the G completions."""
+    import grpo_pipeline.policy as policy
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    rows = [(p, torch.randint(3, 500, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist())
+            for p in prompts for _ in range(4)]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]      # groups interleaved
+    b = collate([p for p, _ in rows], [c for _, c in rows], pad_id=0)
+    adv = torch.randn(len(rows), 1, generator=g)
+
+    def value_and_grads():
+        model.zero_grad()
+        lp, _ = completion_logprobs(model, b)                                          # (B, C)
+        (lp * adv).sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    real = policy._shared_prompt_hidden
+    monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt: calls.append(out := real(d, bt)) or out)
+    lp_shared, g_shared = value_and_grads()
+    assert calls and calls[0] is not None and calls[0].shape[:2] == b.completion_ids.shape   # took the shared path
+    monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt: None)
+    lp_full, g_full = value_and_grads()
+    torch.testing.assert_close(lp_shared, lp_full, atol=1e-5, rtol=1e-5)
+    assert g_shared.keys() == g_full.keys() and len(g_full) > 5
+    for n in g_full:
+        torch.testing.assert_close(g_shared[n], g_full[n], atol=1e-5, rtol=1e-4, msg=n)
+    with torch.no_grad():                                                              # and the unpadded truth
+        for i, (p, c) in enumerate(rows):
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1: -1]
+            ref = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+            torch.testing.assert_close(lp_shared[i, : len(c)], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_update_moves_weights_and_zero_advantage_does_not(model, tiny_model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = UpdateConfig(lr=1e-3, beta=0.0, minibatch_size=4, micro_batch_size=2)

@@ -38,11 +38,13 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def rand_rollouts(n, *, seed=0, vocab=500, per_token=False, adv=None):
+def rand_rollouts(n, *, seed=0, vocab=500, per_token=False, adv=None, groups=False):
+    """``groups``: rows p{k}/0..3 share their prompt, as a GRPO group does (the shared-prompt forward)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        p = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        if not (groups and i % 4):
+            p = torch.randint(3, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
         c = torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
         a = torch.randn(len(c) if per_token else 1, generator=g).tolist()
         out.append(Rollout(p, c, (a if per_token else a[0]) if adv is None else adv, f"p{i // 4}/{i % 4}"))
@@ -224,7 +226,7 @@ def stage_run(cfg: UpdateConfig, ckpts, data, out: Path, *, policy=None, state=N
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_gloo_processes_match_one_process(tmp_path, ckpts, strategy):
-    data = write_stage_inputs(tmp_path, rand_rollouts(11, seed=7))     # 11 rows: ragged shards, a dummy row
+    data = write_stage_inputs(tmp_path, rand_rollouts(11, seed=7, groups=True))  # ragged shards, a dummy row
     single = stage_run(UpdateConfig(**UPD), ckpts, data, tmp_path / "single", state=str(tmp_path / "s1"))
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"update": {**UPD, "distributed": {"strategy": strategy, "nproc_per_node": 2}}}))
@@ -257,7 +259,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, ckpts, strategy):
 
 def test_resume_equals_two_updates_in_one_run(tmp_path, ckpts):
     cfg = UpdateConfig(**{**UPD, "lr_schedule": "cosine", "warmup_steps": 1, "total_steps": 8})
-    rows_a, rows_b = rand_rollouts(10, seed=8), rand_rollouts(9, seed=9)
+    rows_a, rows_b = rand_rollouts(10, seed=8, groups=True), rand_rollouts(9, seed=9, groups=True)
     da = write_stage_inputs(tmp_path / "a", rows_a)
     db = write_stage_inputs(tmp_path / "b", rows_b, iteration="it1")
     state = str(tmp_path / "state")
