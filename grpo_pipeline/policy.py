@@ -186,8 +186,8 @@ def _fused_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int, wi
     return logp, entropy
 
 
-def _logits_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int, with_entropy: bool,
-                     share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _logits_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     C = batch.completion_ids.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, logits_to_keep=C + 1, use_cache=False)
@@ -201,13 +201,16 @@ def model_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int = 10
                    share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) (B, C) float32 of a plain HF causal LM, 0 at padding; entropy (B, C) if asked.
 
-    ``share_prompts``: rows with the same prompt run it once (see :func:`_shared_prompt_hidden`).
+    ``share_prompts``: rows with the same prompt run it once (see :func:`_shared_prompt_hidden`;
+    plain-linear-head models only).
     """
     if chunk_size < 1:
         msg = f"chunk_size must be >= 1, got {chunk_size}"
         raise ValueError(msg)
-    fn = _fused_logprobs if _plain_linear_head(model) else _logits_logprobs
-    return fn(model, batch, chunk_size=chunk_size, with_entropy=with_entropy, share_prompts=share_prompts)
+    if _plain_linear_head(model):
+        return _fused_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy,
+                               share_prompts=share_prompts)
+    return _logits_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 class PolicyModule(torch.nn.Module):
