@@ -311,6 +311,44 @@ def compute_advantages(scores: pl.DataFrame, cfg: AdvantageConfig) -> tuple[pl.D
     return out, metrics
 
 
+# --------------------------------------------------------------------------- dynamic sampling
+def filter_groups(
+    scores: pl.DataFrame, adv: pl.DataFrame, *, wanted: int | None = None, kept_before: int = 0
+) -> tuple[pl.DataFrame, dict[str, int]]:
+    """DAPO's dynamic-sampling filter: mask groups whose rewards are all equal, keep ``wanted`` others.
+
+    A group whose valid (non-null) rewards are all equal, or that has fewer than two, has zero
+    advantage everywhere: it gives the policy gradient nothing and only dilutes the batch. Such
+    groups are masked (``adv_mask`` False); of the informative groups, in the order they appear,
+    the first ``wanted - kept_before`` are kept and the rest masked as surplus (``wanted=None``:
+    all). ``scores`` and ``adv`` are row-aligned (same ``prompt_id`` order), as the stage writes them.
+
+    Returns the masked ``adv`` and counts ``groups``, ``dropped`` (uninformative), ``kept``, ``surplus``.
+
+    Examples
+    --------
+    >>> sc = pl.DataFrame({"prompt_id": ["a", "a", "b", "b", "c", "c"], "reward": [1.0, 1, 0, 1, 1, 0]})
+    >>> adv = pl.DataFrame({"prompt_id": sc["prompt_id"], "adv_mask": [True] * 6})
+    >>> out, n = filter_groups(sc, adv, wanted=1)
+    >>> out["adv_mask"].to_list(), n
+    ([False, False, True, True, False, False], {'groups': 3, 'dropped': 1, 'kept': 1, 'surplus': 1})
+    """
+    if scores.height != adv.height or not scores["prompt_id"].equals(adv["prompt_id"]):
+        raise ValueError("filter_groups: scores and advantages are not row-aligned")
+    groups = (scores.select("prompt_id", "reward")
+              .group_by("prompt_id", maintain_order=True)
+              .agg(informative=pl.col("reward").drop_nulls().drop_nans().n_unique() > 1))
+    rank = groups["informative"].cast(pl.Int64).cum_sum()          # (n_groups,) informative groups so far
+    room = None if wanted is None else max(wanted - kept_before, 0)
+    keep = groups["informative"] & (rank <= room if room is not None else True)
+    groups = groups.with_columns(keep=keep)
+    kept_rows = adv.select("prompt_id").join(groups.select("prompt_id", "keep"), on="prompt_id", how="left",
+                                             maintain_order="left")["keep"]
+    n_inf, n_kept = int(groups["informative"].sum()), int(groups["keep"].sum())
+    counts = {"groups": groups.height, "dropped": groups.height - n_inf, "kept": n_kept, "surplus": n_inf - n_kept}
+    return adv.with_columns(adv_mask=pl.col("adv_mask") & kept_rows), counts
+
+
 # --------------------------------------------------------------------------- token expansion
 def token_advantages_from_steps(
     step_ends: Sequence[int], step_values: Sequence[float], token_ends: np.ndarray

@@ -1,6 +1,6 @@
 """``grpo-pipeline``: the project's command line (the stages themselves run through ``dvc repro``).
 
-    grpo-pipeline iterations N [--eval-every K]   regenerate the iterations table in params.yaml
+    grpo-pipeline iterations N [--eval-every K] [--eval-prompts P]  regenerate the iterations table in params.yaml
     grpo-pipeline check [params.yaml]             validate params.yaml
     grpo-pipeline inspect [--iteration it0] ...   rollouts with rewards and advantages, per group
 """
@@ -15,7 +15,7 @@ def _iterations(args: argparse.Namespace) -> None:
     from grpo_pipeline.config import load_params
     from grpo_pipeline.iterations import rewrite
 
-    rewrite(args.params, args.n, eval_every=args.eval_every)
+    rewrite(args.params, args.n, eval_every=args.eval_every, eval_prompts=args.eval_prompts)
     load_params(args.params)
     print(f"{args.params}: iterations table now has {args.n} iterations (it0..it{args.n - 1}); run `dvc repro`")
 
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     it = sub.add_parser("iterations", help="regenerate the iterations table for N iterations")
     it.add_argument("n", type=int)
     it.add_argument("--eval-every", type=int, default=1)
+    it.add_argument("--eval-prompts", type=int, default=0,
+                    help="eval prompts for the base and intermediate checkpoints (0: all; SFT and final: always all)")
     it.add_argument("--params", default="params.yaml")
     it.set_defaults(fn=_iterations)
     ck = sub.add_parser("check", help="validate params.yaml")

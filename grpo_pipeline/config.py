@@ -115,8 +115,10 @@ class SamplingConfig(Section):
     max_new_tokens: int = Field(128, ge=1, le=32768)
     stop: list[str] = Field(["</answer>"], description="Stop strings, kept in the completion text.")
     seed: int = Field(0, description="Base of the per-request seeds (request_seed(seed, iteration, prompt_id) + k).")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="bfloat16 on GPUs; float32 on CPUs without AVX-512 (measured on this 2-core AVX2 machine: 11 tokens/s in bfloat16, 126 in float32).",
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 where the hardware runs it natively (a GPU; a CPU with AVX512-BF16 or "
+        "AMX), float32 elsewhere (grpo_pipeline/hardware.py; the choice is printed). On CPUs without them bfloat16 "
+        "is emulated: measured 11 tokens/s in bfloat16 against 126 in float32 on a 2-core AVX2 machine.",
     )
     max_model_len: int = Field(1024, ge=64, description="Context: prompt + max_new_tokens must fit.")
     gpu_memory_utilization: float = Field(
@@ -143,6 +145,11 @@ class SamplingConfig(Section):
         None, ge=1, description="In-process CPU engine threads (null: OMP_NUM_THREADS, else all usable cores).",
     )
     hf_batch_size: int = Field(16, ge=1, description="Sequences decoded at once by the HF backend.")
+    spare_prompts: int = Field(
+        0, ge=0, description="Dynamic sampling (DAPO): extra prompts sampled each iteration beyond "
+        "prompts_per_iteration; with advantage.filter_groups the advantage stage keeps the first "
+        "prompts_per_iteration informative groups (rewards not all equal) and drops the rest.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> SamplingConfig:
@@ -213,6 +220,11 @@ class AdvantageConfig(Section):
         "population", description="population (1/G, the spec), sample (1/(G-1)), batch, none (Dr. GRPO)."
     )
     delta: float = Field(1e-4, ge=0, le=1, description="A = (r - mean) / (std + delta).")
+    filter_groups: bool = Field(
+        False, description="Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the update "
+        "(adv_mask false), and keep at most the sampler's prompts_per_iteration informative groups (the rest of "
+        "sampling.spare_prompts is surplus). Metrics: dynamic/dropped_group_share, dynamic/kept_groups.",
+    )
 
 
 # --------------------------------------------------------------------------- update
@@ -253,7 +265,14 @@ class UpdateConfig(Section):
         "carry", description="carry: resume AdamW moments from the previous update when they belong to this "
         "iteration's policy (see grpo_pipeline/train_state.py); fresh: new moments every iteration.",
     )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="bfloat16: autocast for forward/backward.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="bfloat16: autocast for forward/backward; auto: bfloat16 where the hardware runs it "
+        "natively (grpo_pipeline/hardware.py), else float32.",
+    )
+    overlong_filter: bool = Field(
+        False, description="DAPO's overlong filtering: truncated completions (finish_reason 'length') are left "
+        "out of the loss; they still count in their group's advantage statistics.",
+    )
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = Field(1024, ge=1, description="Tokens per LM-head chunk (memory vs. speed).")
     distributed: Distributed = Distributed()
@@ -306,6 +325,8 @@ class Iteration(Section):
 
 class Evaluation(Section):
     checkpoint: str = Field(..., description="Checkpoint dir to evaluate.")
+    n_prompts: int = Field(0, ge=0, description="First n eval prompts for this checkpoint "
+                           "(0: evaluate.n_prompts, else all).")
 
 
 class Params(Section):

@@ -16,8 +16,10 @@ from grpo_pipeline.io import write_json
 TRAIN_KEYS = {
     "sample": ["completion_len_mean", "truncated_share", "completion_tokens_per_s"],
     "score": None,  # every */mean
-    "advantage": ["advantage/abs_mean", "advantage/zero_std_group_share"],
-    "update": ["loss", "kl", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm", "tokens_per_s"],
+    "advantage": ["advantage/abs_mean", "advantage/zero_std_group_share", "dynamic/dropped_group_share",
+                  "dynamic/kept_groups"],
+    "update": ["loss", "kl", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm", "tokens_per_s", "steps",
+               "sequences", "overlong_masked"],
 }
 
 
@@ -47,22 +49,54 @@ def eval_curve(eval_dir: Path, names: list[str]) -> list[dict[str, Any]]:
         m = _load(eval_dir / f"{name}.json")
         if m:
             rows.append({"checkpoint": name, "order": order, **{k: m[k] for k in
-                         ("accuracy", "format", "completion_len_mean", "truncated_share") if k in m}})
+                         ("accuracy", "accuracy_se", "format", "format_se", "completion_len_mean",
+                          "truncated_share", "prompts") if k in m}})
     return rows
 
 
+def paired_difference(before: Path, after: Path) -> tuple[float, float, int] | None:
+    """Mean and standard error of ``accuracy(after) - accuracy(before)`` over the prompts both evaluated.
+
+    Paired by ``prompt_id`` (the same prompts, so the SE is that of the per-prompt differences,
+    ``std(d, ddof=1) / sqrt(n)``); ``None`` when either eval file is missing or they share no prompt.
+    """
+    if not (before.exists() and after.exists()):
+        return None
+    import polars as pl
+
+    a = pl.read_parquet(before, columns=["prompt_id", "accuracy"])
+    b = pl.read_parquet(after, columns=["prompt_id", "accuracy"])
+    d = a.join(b, on="prompt_id", suffix="_after").select(pl.col("accuracy_after") - pl.col("accuracy"))
+    n = d.height
+    if n == 0:
+        return None
+    diff = d.to_series()
+    return float(diff.mean()), float(diff.std(ddof=1) / n**0.5) if n > 1 else 0.0, n
+
+
 def write_report(*, iter_dir: str, eval_dir: str, iterations: list[str], evaluations: list[str],
-                 out_dir: str) -> dict[str, Any]:
+                 out_dir: str, eval_data_dir: str | None = None) -> dict[str, Any]:
     train = train_curve(Path(iter_dir), iterations)
     evals = eval_curve(Path(eval_dir), evaluations)
     write_json(Path(out_dir) / "train.json", train)
     write_json(Path(out_dir) / "eval.json", evals)
     summary: dict[str, Any] = {"iterations": len(train)}
     by_name = {r["checkpoint"]: r for r in evals}
+    def put(label: str, row: dict) -> None:
+        for k in ("accuracy", "accuracy_se", "format", "prompts"):
+            if k in row:
+                summary[f"{label}/{k}"] = row[k]
+
     for name in ("base", "sft"):
         if name in by_name:
-            summary[f"{name}/accuracy"], summary[f"{name}/format"] = by_name[name]["accuracy"], by_name[name]["format"]
+            put(name, by_name[name])
     if evals and evals[-1]["checkpoint"] not in ("base", "sft"):
-        summary["final/accuracy"], summary["final/format"] = evals[-1]["accuracy"], evals[-1]["format"]
+        put("final", evals[-1])
         summary["final/checkpoint"] = evals[-1]["checkpoint"]
+        paired = eval_data_dir and "sft" in by_name and paired_difference(
+            Path(eval_data_dir) / "sft.parquet", Path(eval_data_dir) / f"{evals[-1]['checkpoint']}.parquet")
+        if paired:
+            mean, se, n = paired
+            summary.update({"final_minus_sft/accuracy": round(mean, 4), "final_minus_sft/accuracy_se": round(se, 4),
+                            "final_minus_sft/prompts": n})
     return summary

@@ -276,7 +276,9 @@ class HFBackend:
     """HF transformers decoding, batched: the fallback when vLLM is missing, same rules (see module doc).
 
     Sequences (request, k) are decoded ``batch_size`` at a time, left-padded, with a KV cache;
-    row (request, k) samples with its own generator seeded ``request.seed + k``.
+    row (request, k) samples with its own generator seeded ``request.seed + k``.  The model runs on
+    the GPU when there is one; the draw itself is made on the CPU from the logits, with the same
+    per-row generators, so a token depends only on its logits and its seed.
     """
 
     name = "hf"
@@ -289,7 +291,8 @@ class HFBackend:
         self._torch = torch
         t0 = time.perf_counter()
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, dtype=dtype).eval()
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
         self.batch_size = hf_batch_size
         tok, gen = self.tokenizer, self.model.generation_config
         eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
@@ -314,8 +317,9 @@ class HFBackend:
     def _decode(self, prompts: list[list[int]], seeds: list[int], spec: SamplingSpec) -> list[Sample]:
         torch = self._torch
         b, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])           # (B, P)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])      # (B, P)
+        dev = self.device
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=dev)          # (B, P)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)     # (B, P)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)                                           # (B, P)
         gens = [torch.Generator().manual_seed(s) for s in seeds]
         toks: list[list[int]] = [[] for _ in range(b)]
@@ -327,7 +331,7 @@ class HFBackend:
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
                                  use_cache=True, logits_to_keep=1)
                 past = out.past_key_values
-                logits = out.logits[:, -1, :].float()                                      # (B, V)
+                logits = out.logits[:, -1, :].float().cpu()                                # (B, V)
                 nxt = sample_tokens(logits, gens, spec)                                    # (B,)
                 lp = logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]                 # (B,)
                 for i, (t, v) in enumerate(zip(nxt.tolist(), lp.tolist())):
@@ -337,8 +341,8 @@ class HFBackend:
                         done[i] = self._finished(toks[i], lps[i], spec, last=step == spec.max_new_tokens - 1)
                 if all(d is not None for d in done):
                     break
-                ids = nxt[:, None]                                                         # (B, 1)
-                mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)        # (B, P + step + 1)
+                ids = nxt[:, None].to(dev)                                                 # (B, 1)
+                mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)  # (B, P+step+1)
                 pos = pos[:, -1:] + 1                                                      # (B, 1)
         return done  # type: ignore[return-value]
 

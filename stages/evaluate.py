@@ -10,12 +10,13 @@ def main() -> None:
     p.add_argument("--prompts", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--metrics", default=None)
+    p.add_argument("--n-prompts", type=int, default=0, help="first n eval prompts (0: evaluate.n_prompts, else all)")
     args = p.parse_args()
     cfg = params(args)
     from grpo_pipeline.run import evaluate
 
     evaluate.run(cfg.evaluate, cfg.sampling, name=args.name, checkpoint=args.checkpoint, prompts=args.prompts,
-                 out=args.out, metrics_path=args.metrics)
+                 out=args.out, metrics_path=args.metrics, n_prompts=args.n_prompts)
 
 
 if __name__ == "__main__":

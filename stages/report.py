@@ -7,6 +7,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--iterations-dir", required=True)
     p.add_argument("--eval-dir", required=True)
+    p.add_argument("--eval-data", default=None, help="dir of evaluate's Parquet outputs (paired final - SFT)")
     p.add_argument("--out", required=True, help="directory for train.json / eval.json")
     p.add_argument("--metrics", default=None)
     args = p.parse_args()
@@ -15,7 +16,8 @@ def main() -> None:
     from grpo_pipeline.run import summary
 
     metrics = write_report(iter_dir=args.iterations_dir, eval_dir=args.eval_dir, iterations=list(cfg.iterations),
-                           evaluations=list(cfg.evaluations), out_dir=args.out)
+                           evaluations=list(cfg.evaluations), out_dir=args.out,
+                           eval_data_dir=args.eval_data)
     summary("report", metrics, path=args.metrics)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import polars as pl
 
 from grpo_pipeline import schemas
-from grpo_pipeline.advantages import compute_advantages
+from grpo_pipeline.advantages import compute_advantages, filter_groups
 from grpo_pipeline.config import AdvantageConfig
 from grpo_pipeline.run import summary
 
@@ -54,11 +54,16 @@ def run(cfg: AdvantageConfig, *, scores: str, out: str, metrics_path: str | None
     else:
         chunks = whole_groups(schemas.iter_batches(scores, "scores", batch_rows=batch_rows, columns=cols), source=scores)
     totals = {"abs_sum": 0.0, "rows": 0, "unmasked": 0, "groups": 0, "zero_std_groups": 0.0, "masked": 0}
+    wanted = schemas.read_metadata(scores, "scores").get("groups_wanted") if cfg.filter_groups else None
+    dynamic = {"groups": 0, "dropped": 0, "kept": 0, "surplus": 0}
     iteration = None
     with schemas.stream_writer(out, "advantages", metadata={"scores": scores, "advantage": cfg.model_dump()}) as write:
         for df in chunks:
             iteration = iteration or df["iteration"][0]
             adv, m = compute_advantages(df, cfg)
+            if cfg.filter_groups:
+                adv, n = filter_groups(df, adv, wanted=wanted, kept_before=dynamic["kept"])
+                dynamic = {k: dynamic[k] + n[k] for k in dynamic}
             write(adv.with_columns(iteration=pl.lit(iteration)))
             unmasked = int(adv["adv_mask"].sum())
             totals["abs_sum"] += m["advantage/abs_mean"] * unmasked
@@ -76,5 +81,12 @@ def run(cfg: AdvantageConfig, *, scores: str, out: str, metrics_path: str | None
         "advantage/groups": totals["groups"],
         "rows": totals["rows"],
     }
+    if cfg.filter_groups:  # DAPO dynamic sampling: what the update trains on
+        metrics.update({"dynamic/dropped_group_share": round(dynamic["dropped"] / max(dynamic["groups"], 1), 6),
+                        "dynamic/kept_groups": dynamic["kept"], "dynamic/surplus_groups": dynamic["surplus"],
+                        "dynamic/groups_wanted": wanted if wanted is not None else dynamic["kept"]})
+        if not dynamic["kept"]:
+            print(f"[advantage@{iteration}] warning: every group's rewards are all equal: the update has "
+                  "nothing to learn from this iteration", flush=True)
     summary(f"advantage@{iteration}", metrics, path=metrics_path)
     return metrics

@@ -16,6 +16,7 @@ import polars as pl
 
 from grpo_pipeline import schemas
 from grpo_pipeline.checkpoint import load_tokenizer
+from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.config import EvaluateConfig, RewardConfig, SamplingConfig, TestsRewardConfig
 from grpo_pipeline.rewards import score_frame
 from grpo_pipeline.run import summary
@@ -45,10 +46,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def standard_error(values: pl.Series) -> float:
+    """Standard error of the mean, ``sqrt(s^2 / n)`` with the sample variance (ddof 1); 0 for n < 2."""
+    n = values.len()
+    return float(values.std(ddof=1) / n**0.5) if n > 1 else 0.0
+
+
 def eval_metrics(result: pl.DataFrame) -> dict:
+    """Means over prompts, each 0/1 score with its standard error (``<name>_se``)."""
     return {
         "accuracy": round(float(result["accuracy"].mean()), 4),
+        "accuracy_se": round(standard_error(result["accuracy"]), 4),
         "format": round(float(result["format"].mean()), 4),
+        "format_se": round(standard_error(result["format"]), 4),
         "completion_len_mean": round(float(result["completion_len"].mean()), 2),
         "truncated_share": round(float((result["finish_reason"] == "length").mean()), 4),
         "prompts": result.height,
@@ -64,10 +74,13 @@ def _frame(df: pl.DataFrame, samples, k: int = 0) -> pl.DataFrame:
 
 
 def run(cfg: EvaluateConfig, sampling: SamplingConfig, *, name: str, checkpoint: str, prompts: str, out: str,
-        metrics_path: str | None) -> dict:
+        metrics_path: str | None, n_prompts: int | None = None) -> dict:
+    """Greedy-decode the first ``n_prompts`` (else ``cfg.n_prompts``, else all) eval prompts and judge them."""
+    sampling = sampling.model_copy(update={"dtype": resolve_dtype(sampling.dtype, what=f"evaluate@{name}")})
     df = schemas.read_table(prompts, "prompts")
-    if cfg.n_prompts:
-        df = df.head(cfg.n_prompts)
+    n_prompts = n_prompts or cfg.n_prompts
+    if n_prompts:
+        df = df.head(n_prompts)
     tokenizer = load_tokenizer(checkpoint)
     requests, _ = build_requests(df, tokenizer, iteration=f"eval/{name}", seed=sampling.seed,
                                  max_prompt_len=sampling.max_model_len - cfg.max_new_tokens, source=prompts)

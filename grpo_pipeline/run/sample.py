@@ -33,6 +33,7 @@ import pyarrow as pa
 from grpo_pipeline import schemas
 from grpo_pipeline.checkpoint import load_tokenizer
 from grpo_pipeline.config import SamplingConfig
+from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.io import atomic_dir
 from grpo_pipeline.run import summary
 from grpo_pipeline.sampling import (
@@ -115,11 +116,13 @@ def shard_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 def run(cfg: SamplingConfig, *, iteration: str, index: int, policy: str, prompts_path: str, out: str,
         metrics_path: str | None, backend: Backend | None = None) -> dict:
     """Sample the iteration's groups into ``out``; ``backend``: an engine already started (not closed here)."""
+    cfg = cfg.model_copy(update={"dtype": resolve_dtype(cfg.dtype, what=f"sample@{iteration}")})
     prompts = schemas.read_table(prompts_path, "prompts")
     if prompts.height == 0:
         msg = f"{prompts_path}: the prompts file has no rows. Hint: rerun the prepare stage"
         raise ValueError(msg)
-    prompts = select_prompts(prompts, index=index, per_iteration=cfg.prompts_per_iteration, seed=cfg.seed)
+    prompts = select_prompts(prompts, index=index, per_iteration=cfg.prompts_per_iteration + cfg.spare_prompts,
+                             seed=cfg.seed)
     tokenizer = getattr(backend, "tokenizer", None)
     if tokenizer is None:
         tokenizer = load_tokenizer(policy)  # a missing tokenizer fails here, before any engine starts
@@ -131,7 +134,8 @@ def run(cfg: SamplingConfig, *, iteration: str, index: int, policy: str, prompts
         msg = "run(backend=...) serves one worker; sampling.data_parallel_size must be 1 with it"
         raise ValueError(msg)
     meta = {"iteration": iteration, "policy": policy, "sampling": cfg.model_dump(), "spec": spec.as_dict(),
-            "seed_rule": SEED_RULE, "shards": dp, "prompts_total": len(requests)}
+            "seed_rule": SEED_RULE, "shards": dp, "prompts_total": len(requests),
+            "groups_wanted": min(cfg.prompts_per_iteration, len(requests))}
     stats = RolloutStats()
     with atomic_dir(out) as tmp:
         shards = [Shard(rank, prompts[lo:hi], texts[lo:hi], requests[lo:hi], Path(tmp) / f"part-{rank:05d}.parquet",

@@ -16,7 +16,8 @@ SCORE_COLUMNS = ["iteration", "prompt_id", "sample_idx", "completion", "answer",
 def run(cfg: RewardConfig, *, rollouts: str, out: str, metrics_path: str | None, batch_rows: int = 65536,
         prompts: str | None = None) -> dict:
     """Score ``rollouts``; ``prompts`` (the prompts file) gives coding rows their hidden ``tests``."""
-    meta = {"rollouts": rollouts, "reward": cfg.model_dump()}
+    wanted = schemas.read_metadata(rollouts, "rollouts").get("groups_wanted")  # dynamic sampling's target
+    meta = {"rollouts": rollouts, "reward": cfg.model_dump(), "groups_wanted": wanted}
     tests = _tests_table(prompts)
     batches = schemas.iter_batches(rollouts, "rollouts", batch_rows=batch_rows, columns=SCORE_COLUMNS)
     first = next(batches, None)

@@ -19,16 +19,21 @@ from grpo_pipeline import distributed, schemas, train_state
 from grpo_pipeline.advantages import token_advantages_from_steps
 from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint_metadata, save_checkpoint
 from grpo_pipeline.config import UpdateConfig
+from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.io import write_json
 from grpo_pipeline.run import summary
 from grpo_pipeline.update import Rollout, make_optimizer, rollout_logprobs, train
 
-ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids"]
+ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids", "finish_reason"]
 MEAN_KEYS = ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "grad_norm")
 
 
-def load_rollouts(rollouts: str, advantages: str, tokenizer) -> tuple[list[Rollout], int, str]:
-    """Join rollouts with their advantages; rows masked by the advantage stage are left out."""
+def load_rollouts(rollouts: str, advantages: str, tokenizer, *, overlong_filter: bool = False
+                  ) -> tuple[list[Rollout], dict[str, int], str]:
+    """Join rollouts with their advantages; rows masked by the advantage stage are left out, and with
+    ``overlong_filter`` (DAPO) the truncated ones (``finish_reason == "length"``) too.
+
+    Returns the rows, the counts left out (``masked``, ``overlong_masked``) and the iteration."""
     ro = schemas.read_table(rollouts, "rollouts", columns=ROLLOUT_COLUMNS)
     adv = schemas.read_table(advantages, "advantages")
     df = ro.join(adv.drop("iteration"), on=["prompt_id", "sample_idx"], how="left")
@@ -40,6 +45,10 @@ def load_rollouts(rollouts: str, advantages: str, tokenizer) -> tuple[list[Rollo
         raise ValueError(msg)
     n_masked = int((~df["adv_mask"]).sum())
     df = df.filter(pl.col("adv_mask") & (pl.col("completion_token_ids").list.len() > 0))
+    truncated = df["finish_reason"] == "length"
+    n_overlong = int(truncated.sum()) if overlong_filter else 0
+    if overlong_filter:
+        df = df.filter(~truncated)
     process = df["step_advantages"].list.len().fill_null(0).sum() > 0
     rows = []
     for r in df.iter_rows(named=True):
@@ -50,7 +59,7 @@ def load_rollouts(rollouts: str, advantages: str, tokenizer) -> tuple[list[Rollo
             steps = r["step_advantages"] or []
             a = token_advantages_from_steps([s["end"] for s in steps], [s["value"] for s in steps], ends).tolist()
         rows.append(Rollout(r["prompt_token_ids"], r["completion_token_ids"], a, f"{r['prompt_id']}/{r['sample_idx']}"))
-    return rows, n_masked, ro["iteration"][0]
+    return rows, {"masked": n_masked, "overlong_masked": n_overlong}, ro["iteration"][0]
 
 
 def _budget(rollouts: str) -> int | None:
@@ -110,19 +119,41 @@ def iteration_metrics(history: list[dict], *, wall_s: float) -> dict:
     return metrics
 
 
+def _nothing_to_learn(policy: str, tokenizer, out: str, prev: dict, left_out: dict, *, iteration: str,
+                      ctx: distributed.DistContext, metrics_path: str | None, steps_path: str | None,
+                      t_start: float) -> dict:
+    """Every row was left out (all groups' rewards equal under advantage.filter_groups, or all truncated
+    under overlong_filter): the next checkpoint is the policy itself, no optimizer step is taken."""
+    metrics = {"steps": 0, "sequences": 0, **left_out, "world_size": ctx.world_size, "optimizer_state": "none",
+               "wall_s": round(time.perf_counter() - t_start, 2)}
+    if ctx.is_main:
+        print(f"[update@{iteration}] warning: no rollout left to train on ({left_out}); "
+              f"{out} is {policy} unchanged", flush=True)
+        meta = {**prev, "parent": policy, "train_state": {**prev.get("train_state", {}), "iteration": iteration,
+                                                         "skipped": "no rows to train on"}}
+        save_checkpoint(load_model(policy, dtype="float32"), tokenizer, out, metadata=meta)
+        if steps_path:
+            write_json(steps_path, [])
+        summary(f"update@{iteration}", metrics, path=metrics_path)
+    ctx.barrier()
+    return metrics
+
+
 def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str, advantages: str, out: str,
         metrics_path: str | None, steps_path: str | None, state_dir: str | None = None) -> dict:
     """Train on the iteration's rollouts and write ``out`` (and the carried state, the metrics) from rank 0."""
     t_start = time.perf_counter()
     ctx = distributed.init(cfg.distributed.strategy)
     try:
+        cfg = cfg.model_copy(update={"dtype": resolve_dtype(cfg.dtype, what="update", quiet=not ctx.is_main)})
         torch.manual_seed(cfg.seed)
         tokenizer = load_tokenizer(policy)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        rows, n_masked, iteration = load_rollouts(rollouts, advantages, tokenizer)
-        if not rows:
-            raise ValueError(f"{advantages}: no rollouts with a valid advantage to train on (all {n_masked} masked)")
+        rows, left_out, iteration = load_rollouts(rollouts, advantages, tokenizer, overlong_filter=cfg.overlong_filter)
         prev = read_checkpoint_metadata(policy)
+        if not rows:
+            return _nothing_to_learn(policy, tokenizer, out, prev, left_out, iteration=iteration, ctx=ctx,
+                                     metrics_path=metrics_path, steps_path=steps_path, t_start=t_start)
         start_step = int(prev.get("train_state", {}).get("global_step", 0))
         ref_lp = _reference_logprobs(cfg, reference, rows, pad_id=pad_id, ctx=ctx)
 
@@ -158,7 +189,7 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                 train_state.save_state(state_dir, opt_state, checkpoint=out, global_step=global_step)
         del full, opt_state
         metrics = iteration_metrics(history, wall_s=time.perf_counter() - t_start)
-        metrics.update(sequences=len(rows), masked=n_masked, world_size=ctx.world_size,
+        metrics.update(sequences=len(rows), **left_out, world_size=ctx.world_size,
                        optimizer_state=reason.split(":")[0])
         if ctx.is_main:
             if steps_path:

