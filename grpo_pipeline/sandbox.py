@@ -78,6 +78,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from grpo_pipeline.sandbox_judge import safe_text
+
 __all__ = ["REASONS", "Limits", "Program", "SandboxUnavailable", "Verdict", "isolation", "run_programs"]
 
 REASONS: dict[str, str] = {
@@ -257,7 +259,14 @@ class _Supervisor:
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            self.failed, self.why = True, f"sandbox supervisor wrote a bad line: {safe_text(line[:100])}"
+            return None
+        return obj
 
     def send(self, program: Program) -> None:
         """Queue ``program`` (the supervisor reads it when it is done with the previous one)."""
@@ -273,7 +282,7 @@ class _Supervisor:
         r = None if self.failed else self._line(4 * self.limits.timeout_s + 10)
         if r is None:
             return Verdict(0, len(program.tests), "sandbox_error", self.why)
-        return Verdict(**{k: r[k] for k in ("passed", "total", "reason", "detail", "seconds")})
+        return _checked(r, program) or Verdict(0, len(program.tests), "sandbox_error", "malformed verdict")
 
     def run(self, program: Program) -> Verdict:
         self.send(program)
@@ -293,6 +302,15 @@ class _Supervisor:
             self.proc.kill()  # init has a parent-death signal: the namespace dies with it
             self.proc.wait()
         self.proc.stdout.close()
+
+
+def _checked(r: dict, program: Program) -> Verdict | None:
+    """The supervisor's verdict line as a :class:`Verdict` (detail made safe to store), None if malformed."""
+    passed, total, reason, detail, seconds = (r.get(k) for k in ("passed", "total", "reason", "detail", "seconds"))
+    if (type(passed) is not int or total != len(program.tests) or not 0 <= passed <= total or reason not in REASONS
+            or type(seconds) not in (int, float) or (reason == "ok") != (passed == total)):
+        return None
+    return Verdict(passed, total, reason, None if detail is None else safe_text(detail), float(seconds))
 
 
 def _run_batch(programs: Sequence[Program], limits: Limits) -> tuple[dict, list[Verdict]]:
