@@ -51,6 +51,10 @@ class DataConfig(Section):
     entry_point_field: str | None = Field("entry_point", description="Coding file: the function name (else inferred).")
     reference_field: str | None = Field(None, description="Coding file: reference code (MBPP code, HumanEval "
                                         "canonical_solution), the SFT target.")
+    setup_field: str | None = Field(None, description="Coding file: code run before every test (MBPP "
+                                    "test_setup_code).")
+    id_field: str | None = Field(None, description="File: the column of unique prompt ids (MBPP task_id, "
+                                 "HumanEval task_id); None: <file stem>-<row>.")
 
     @model_validator(mode="after")
     def _path_for_file(self) -> DataConfig:

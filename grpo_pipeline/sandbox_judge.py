@@ -48,7 +48,9 @@ _EXCEPTIONS = {n: getattr(builtins, n) for n in dir(builtins)
 
 # ---------------------------------------------------------------- plain data <-> JSON
 def encode(x: object, depth: int = 0) -> object:
-    """JSON-able form of plain data, by exact type (a subclass of ``int`` or ``str`` is refused).
+    """JSON-able form of plain data: scalars by exact type (a subclass of ``int`` or ``str`` is
+    refused); containers by their contents (a ``Counter`` or a named tuple becomes a plain ``dict``
+    or ``tuple``: whatever the candidate's classes do, the judge only ever sees :func:`decode` output).
 
     >>> encode((1, [2.5, None], {"a": {3}}))
     {'tuple': [1, [2.5, None], {'dict': [['a', {'set': [3]}]]}]}
@@ -58,12 +60,13 @@ def encode(x: object, depth: int = 0) -> object:
         raise ValueError("nested too deeply")
     if x is None or t is bool or t is int or t is float or t is str:
         return x
-    if t is list:
-        return [encode(v, depth + 1) for v in x]
-    if t is tuple or t is set or t is frozenset:
-        return {t.__name__: [encode(v, depth + 1) for v in x]}
-    if t is dict:
-        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in x.items()]}
+    if isinstance(x, list):
+        return [encode(v, depth + 1) for v in list.__iter__(x)]
+    if isinstance(x, (tuple, set, frozenset)):
+        tag = next(k for k in (tuple, frozenset, set) if isinstance(x, k)).__name__
+        return {tag: [encode(v, depth + 1) for v in x]}
+    if isinstance(x, dict):
+        return {"dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(x)]}
     if t is bytes:
         return {"bytes": x.hex()}
     if t is complex:
@@ -312,7 +315,7 @@ def _one_test(test: str, i: int, entry: str | None, link: _Link, modules: dict) 
         code = compile(tree, f"<test {i}>", "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as e:
         return ["test_error", f"{type(e).__name__}: {e}"]
-    names = free_names(tree) | ({"candidate"} if entry else set())
+    names = free_names(tree) | ({entry, "candidate"} if entry else set())  # the entry point even if named `sum`
     env: dict = {"__name__": "__test__", "__builtins__": builtins, **modules}
     for name in names:
         env[name] = _stub(link, entry if name == "candidate" and entry else name)
