@@ -84,7 +84,9 @@ def normalize_series(s: pl.Series) -> pl.Series:
     rules run only on the rows holding ``\\`` or ``{``; braces are dropped only when
     no backslash command is left, so ``\\sqrt{2}`` stays unparseable."""
     s = s.str.replace_many(_FROM, _TO)
-    s = s.str.replace_all(UNIT_POWER_RE, "${1}")
+    power = s.str.contains(r"[\^²³]").arg_true()
+    if len(power):
+        s = s.scatter(power, s.gather(power).str.replace_all(UNIT_POWER_RE, "${1}"))
     idx = s.str.contains(r"[\\{]").arg_true()
     if len(idx):
         sub = s.gather(idx)
