@@ -15,17 +15,30 @@ Layout of one supervisor (``root`` mode: the scorer runs as root, as on this pro
                                        | empty tmpfs over the scorer's cwd and $HOME
                                        | (stdlib directories bound back, read-only)
                                        +--fork--> init (pid 1 of the new pid namespace, fresh /proc)
-                                                    +--fork--> child, one per completion
+                                                    +--fork--> judge, one per completion: unshare(ipc),
+                                                                 reads the program, runs the tests
+                                                                 +--fork--> candidate: runs the code,
+                                                                            answers the judge's calls
 
-The child, before it runs any completion code: ``chdir`` to an empty ``/tmp/work``; rlimits
+Tests are judged outside the candidate's interpreter (:mod:`grpo_pipeline.sandbox_judge`): the
+candidate only computes the values of the calls the tests make and sends them back as plain data;
+the judge compares.  The candidate is forked before the judge reads the program (its memory never
+holds a test) and gets the code, then one call at a time.  The judge runs as ``uid + 1``, not
+dumpable; the candidate is confined as follows.
+
+The candidate, before it runs any completion code: ``chdir`` to an empty ``/tmp/work``; rlimits
 ``RLIMIT_AS`` (memory_mb), ``RLIMIT_CPU`` (ceil(timeout_s)), ``RLIMIT_FSIZE`` (file_size_mb),
 ``RLIMIT_NPROC`` (max_processes), ``RLIMIT_NOFILE`` 64, no core files; gid/uid set to a
 random unused id (2**30 range, one per supervisor, so ``RLIMIT_NPROC`` counts only its
-processes: as root it would not apply); bounding set dropped, ``no_new_privs``; fds 0-2 on /dev/null;
-environment cleared.  The init waits up to ``timeout_s`` of wall clock, longer while the
-child is runnable but has had under 90% of ``timeout_s`` of CPU (a loaded machine must not
-fail correct code), at most ``4 timeout_s``; then ``kill(-1, SIGKILL)`` inside the namespace, which kills the child and everything it forked
-(also what called ``setsid``), reaps, and empties ``/tmp/work`` and ``/dev/shm``.  The
+processes: as root it would not apply); bounding set dropped, ``no_new_privs``; fds 0-2 on /dev/null,
+3 and 4 the pipes from and to the judge; environment cleared.  Init waits up to ``timeout_s`` of
+wall clock from the moment the judge has the program, longer while the completion is runnable
+but has had under 90% of ``timeout_s`` of CPU (a loaded machine must not
+fail correct code), at most ``4 timeout_s``; then ``kill(-1, SIGKILL)`` inside the namespace, which kills
+judge, candidate and everything it forked (also what called ``setsid``), reaps, and empties
+``/tmp/work`` and ``/dev/shm``; the IPC namespace dies with its last process.  The judge's report
+(``+``/``-`` per test, then the verdict) is relayed through a fixed buffer zeroed after each
+completion, so init, which every later judge and candidate are forked from, keeps no test text.  The
 scorer kills a supervisor that gives no verdict within ``4 timeout_s + 10`` s; init then dies
 (parent-death signal) and the kernel kills the whole namespace with it.
 
@@ -46,16 +59,18 @@ reading the scorer's environment (cleared, and the scorer's ``/proc`` is not vis
 network access (an empty network namespace: no interface up, abstract Unix sockets
 separate); setuid binaries; leftover processes and files.
 
+It also protects against reward hacking (``tests/test_reward_hacking.py``): objects with a rigged
+``__eq__``, patched builtins or harness, forged verdicts, reading the hidden tests; and details are
+stored safely (:func:`grpo_pipeline.sandbox_judge.safe_text`).
+
 What it does not protect against: reading world-readable files outside the hidden paths
 (``/etc``, ``/usr``, other users' readable files, world-writable Unix sockets such as the
 D-Bus system bus); kernel exploits (there is no seccomp filter, the full syscall surface is
 open); CPU and memory pressure on the machine within the limits (``workers`` x
-``max_processes`` x ``memory_mb`` is the worst case; no cgroup caps the total); and reward
-hacking from inside the process: the tests run in the completion's own interpreter, so code
-can forge results on the report pipe, return objects whose ``__eq__`` is always true, or
-inspect the calling test's frame.  ``none`` mode protects against loops, memory and file
-size only: the code has the machine's network and filesystem (as root: as an unused uid), and
-run by a non-root user it runs as that user and can signal the user's other processes.
+``max_processes`` x ``memory_mb`` is the worst case; no cgroup caps the total).  ``none`` mode
+protects against loops, memory and file size only: the code has the machine's network and
+filesystem (as root: as an unused uid), shares the caller's IPC namespace, and run by a non-root
+user it runs as that user and can signal the user's other processes (its judge too).
 
 Example
 -------
@@ -308,7 +323,7 @@ def _checked(r: dict, program: Program) -> Verdict | None:
     """The supervisor's verdict line as a :class:`Verdict` (detail made safe to store), None if malformed."""
     passed, total, reason, detail, seconds = (r.get(k) for k in ("passed", "total", "reason", "detail", "seconds"))
     if (type(passed) is not int or total != len(program.tests) or not 0 <= passed <= total or reason not in REASONS
-            or type(seconds) not in (int, float) or (reason == "ok") != (passed == total)):
+            or type(seconds) not in (int, float) or (reason == "ok" and passed != total)):
         return None
     return Verdict(passed, total, reason, None if detail is None else safe_text(detail), float(seconds))
 

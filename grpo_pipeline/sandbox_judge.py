@@ -42,8 +42,11 @@ MAX_FRAME = 8 << 20  # bytes of one message between judge and candidate
 _MAX_DEPTH = 64
 _MODULES = ("math", "cmath", "re", "string", "collections", "itertools", "functools", "operator", "heapq",
             "bisect", "copy", "random", "statistics", "fractions", "decimal", "datetime", "typing", "hashlib")
+# builtin exceptions the code's can become in the judge (so ``except ValueError`` in a test works); never
+# StopIteration: raised through ``map`` it would end a test's loop early instead of failing it
 _EXCEPTIONS = {n: getattr(builtins, n) for n in dir(builtins)
-               if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), Exception)}
+               if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), Exception)
+               and not issubclass(getattr(builtins, n), (StopIteration, StopAsyncIteration))}
 
 
 # ---------------------------------------------------------------- plain data <-> JSON

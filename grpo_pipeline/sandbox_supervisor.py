@@ -155,6 +155,7 @@ def _supervise() -> None:
             notes.append(f"host /proc still visible ({e.strerror})")
     for name in _PRELOAD:  # imports the code may need, done while the stdlib is readable
         __import__(name)
+    _prctl(4, 0)  # PR_SET_DUMPABLE 0: in userns mode the code's uid is init's; no ptrace, no /proc/1/mem
     _emit({"mode": mode, "notes": notes})
     while _run_one(cfg, mode):
         pass

@@ -203,3 +203,11 @@ def test_score_stage_survives_hostile_batch(tmp_path):
     sc = schemas.read_table(tmp_path / "s.parquet", "scores")
     assert sc["reward_tests"].to_list() == [0.0] * len(picks) + [1.0], sc
     assert sc["reward_error"].null_count() == sc.height
+
+
+def test_stop_iteration_cannot_end_a_test_early():
+    """A StopIteration raised by the code must fail the test, not end the test's loop over ``map``."""
+    code = f"def {EP}(x):\n    raise StopIteration\n"
+    tests = (f"for y in map({EP}, [1, 2]):\n    assert y == 99", f"assert not any(map({EP}, [1, 2]))")
+    (v,) = run_programs([Program(code, tests, EP)], limits=Limits(timeout_s=2.0))
+    assert v.passed == 0, v
