@@ -33,7 +33,8 @@ def test_gsm8k_gold_scores_one_and_off_by_one_scores_zero():
     df = load_problems(_need("gsm8k_test.jsonl"))
     assert df.height == 1319
     gold = df["answer"].to_list()
-    forms = [lambda a: f"The answer is {a}.", lambda a: f"\\boxed{{{a}}}", lambda a: f"${a}", lambda a: f"{a} apples"]
+    forms = [lambda a: f"The answer is {a}.", lambda a: f"\\boxed{{{a}}}", lambda a: f"${a}", lambda a: f"{a} apples",
+             lambda a: f"答案是{a}元", lambda a: f"{a}.0", lambda a: f"{int(a):,}" if a.lstrip("-").isdigit() else a]
     for k, form in enumerate(forms):
         texts = [f"<think>x</think><answer>{form(g)}</answer>" for g in gold]
         out, _ = score_frame(pl.DataFrame({"prompt_id": df["prompt_id"], "sample_idx": [0] * df.height,
