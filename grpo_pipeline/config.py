@@ -178,7 +178,9 @@ class CustomReward(Section):
 class TestsRewardConfig(Section):
     """The ``tests`` reward (grpo_pipeline/rewards/code.py) and its sandbox (grpo_pipeline/sandbox.py)."""
 
-    all_or_nothing: bool = Field(False, description="1.0 only when every test passes; default: the share passed.")
+    all_or_nothing: bool = Field(True, description="1.0 only when every test passes (a wrong function earns nothing "
+                                 "from tests it happens to pass, e.g. `return None` where None is expected); "
+                                 "false: the share passed.")
     timeout_s: float = Field(2.0, gt=0, le=600, description="Time per completion (code + all its tests): wall clock, "
                              "extended up to 4x while a busy machine has not given it that much CPU.")
     memory_mb: int = Field(256, ge=64, le=1 << 20, description="Address-space limit per sandboxed process.")
