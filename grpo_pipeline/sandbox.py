@@ -12,8 +12,9 @@ Layout of one supervisor (``root`` mode: the scorer runs as root, as on this pro
     scorer --Popen(env={}, cwd=/)--> supervisor:  unshare(mount, net, pid, ipc, uts)
                                        | mounts: make / private, remount every mount
                                        | read-only + nosuid, tmpfs on /tmp and /dev/shm,
-                                       | empty tmpfs over the scorer's cwd and $HOME
-                                       | (stdlib directories bound back, read-only)
+                                       | empty tmpfs over the scorer's cwd, $HOME and every
+                                       | top-level dir but SYSTEM_DIRS (/work, /home, /opt, ...;
+                                       | stdlib directories bound back, read-only)
                                        +--fork--> init (pid 1 of the new pid namespace, fresh /proc)
                                                     +--fork--> judge, one per completion: unshare(ipc),
                                                                  reads the program, runs the tests
@@ -53,8 +54,8 @@ completion killed as a process group, and a temporary directory remain: weak, se
 What it protects against (root and userns modes; the tests in ``tests/test_sandbox.py``
 run each one): endless loops and sleeps (wall and CPU limits); memory bombs
 (``MemoryError`` under ``RLIMIT_AS``); fork bombs (``RLIMIT_NPROC``; all killed at the end);
-writing or deleting files outside the work directory (everything is read-only; the project
-and ``$HOME`` are not even visible); big files (``RLIMIT_FSIZE``, size-capped tmpfs);
+writing or deleting files outside the work directory (everything is read-only; the project,
+``$HOME``, data sets and any top-level directory outside :data:`SYSTEM_DIRS` are not even visible); big files (``RLIMIT_FSIZE``, size-capped tmpfs);
 reading the scorer's environment (cleared, and the scorer's ``/proc`` is not visible);
 network access (an empty network namespace: no interface up, abstract Unix sockets
 separate); setuid binaries; leftover processes and files.
@@ -63,9 +64,8 @@ It also protects against reward hacking (``tests/test_reward_hacking.py``): obje
 ``__eq__``, patched builtins or harness, forged verdicts, reading the hidden tests; and details are
 stored safely (:func:`grpo_pipeline.sandbox_judge.safe_text`).
 
-What it does not protect against: reading world-readable files outside the hidden paths
-(``/etc``, ``/usr``, other users' readable files, world-writable Unix sockets such as the
-D-Bus system bus); kernel exploits (there is no seccomp filter, the full syscall surface is
+What it does not protect against: reading world-readable files in :data:`SYSTEM_DIRS`
+(``/etc``, ``/usr``, ``/var``, world-writable Unix sockets such as the D-Bus system bus); kernel exploits (there is no seccomp filter, the full syscall surface is
 open); CPU and memory pressure on the machine within the limits (``workers`` x
 ``max_processes`` x ``memory_mb`` is the worst case; no cgroup caps the total).  ``none`` mode
 protects against loops, memory and file size only: the code has the machine's network and
@@ -95,7 +95,8 @@ from dataclasses import asdict, dataclass
 
 from grpo_pipeline.sandbox_judge import safe_text
 
-__all__ = ["REASONS", "Limits", "Program", "SandboxUnavailable", "Verdict", "isolation", "run_programs"]
+__all__ = ["REASONS", "SYSTEM_DIRS", "Limits", "Program", "SandboxUnavailable", "Verdict", "hidden_paths", "isolation",
+           "run_programs"]
 
 REASONS: dict[str, str] = {
     "ok": "every test passed",
@@ -250,7 +251,7 @@ class _Supervisor:
     def __init__(self, limits: Limits) -> None:
         self.limits, self.failed, self.buf = limits, False, b""
         cfg = {**asdict(limits), "uid": UID_BASE + secrets.randbelow(UID_SPAN), "nproc_base": 0,
-               "force": _FORCE_MODE, "hide": sorted({os.getcwd(), os.path.expanduser("~"), "/root"})}
+               "force": _FORCE_MODE, "hide": hidden_paths()}
         if os.geteuid() != 0 or _FORCE_MODE == "userns":
             cfg["nproc_base"] = _count_processes(os.getuid())
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", _SUPERVISOR, "--supervise"],
@@ -326,6 +327,21 @@ def _checked(r: dict, program: Program) -> Verdict | None:
             or type(seconds) not in (int, float) or (reason == "ok" and passed != total)):
         return None
     return Verdict(passed, total, reason, None if detail is None else safe_text(detail), float(seconds))
+
+
+#: Top-level directories the code may see (read-only); every other one is hidden (data sets, checkouts, homes).
+SYSTEM_DIRS = frozenset({"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sys", "tmp",
+                         "run", "var"})
+
+
+def hidden_paths() -> list[str]:
+    """What the sandbox covers with an empty tmpfs: the scorer's cwd, ``$HOME``, ``/root`` and every top-level
+    directory outside :data:`SYSTEM_DIRS` (``/work``, ``/home``, ``/mnt``, ``/opt``, ...); the standard
+    library is bound back read-only where it lies below one of them."""
+    top = [f"/{d}" for d in os.listdir("/") if d not in SYSTEM_DIRS and os.path.isdir(f"/{d}")
+           and not os.path.islink(f"/{d}")]
+    paths = sorted({os.getcwd(), os.path.expanduser("~"), "/root", *top} - {"/"})
+    return [p for p in paths if not any(p.startswith(q.rstrip("/") + "/") for q in paths)]  # outermost only
 
 
 def _run_batch(programs: Sequence[Program], limits: Limits) -> tuple[dict, list[Verdict]]:

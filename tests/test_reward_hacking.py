@@ -211,3 +211,20 @@ def test_stop_iteration_cannot_end_a_test_early():
     tests = (f"for y in map({EP}, [1, 2]):\n    assert y == 99", f"assert not any(map({EP}, [1, 2]))")
     (v,) = run_programs([Program(code, tests, EP)], limits=Limits(timeout_s=2.0))
     assert v.passed == 0, v
+
+
+def test_data_sets_and_checkouts_are_not_readable():
+    """Only system directories and the standard library are visible: no data set (``../shared/data``), no
+    checkout, no home directory can be read to find the hidden tests or the reference solutions."""
+    from grpo_pipeline.sandbox import SYSTEM_DIRS
+
+    code = ("import os, sys\nstd = [p for p in sys.path if p]\nfound = []\n"
+            f"for top in [d for d in os.listdir('/') if d not in {sorted(SYSTEM_DIRS)!r}]:\n"
+            "    for root, dirs, files in os.walk('/' + top):\n"
+            "        if any(root.startswith(p) or p.startswith(root) for p in std):\n            continue\n"
+            "        found += [os.path.join(root, f) for f in files]\n"
+            f"def {EP}(x):\n    return found[:3]\n")
+    (v,) = run_programs([Program(code, (f"assert {EP}(0) == []",), EP)], limits=Limits(timeout_s=5.0))
+    assert v.reason == "ok", v
+    (w,) = run_programs([Program(f"t = open('/work/shared/data/HumanEval.jsonl').read()\n{REF}", tuple(TESTS), EP)])
+    assert w.passed == 0, w
