@@ -223,9 +223,13 @@ def _run_one(cfg: dict, mode: str) -> bool:
     status = st if status is None else status
     os.close(r), os.close(pidfd)
     shutil.rmtree(work, ignore_errors=True)
-    if mode != "none":
-        for name in os.listdir("/dev/shm"):
-            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
+    if mode != "none":  # the namespace's own tmpfs: in userns mode the code may write anywhere in them
+        for d in ("/dev/shm", "/tmp"):
+            for name in os.listdir(d):
+                path = os.path.join(d, name)
+                with _suppress():
+                    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not os.path.islink(path) \
+                        else os.unlink(path)
     head = _BUF.find(b";", 0, n)
     eq, nl = _BUF.find(b"=", head, n), _BUF.find(b"\n", head, n)
     if stopped is None and 0 <= eq < nl:

@@ -173,6 +173,23 @@ def test_nothing_is_left_for_a_later_completion():
     assert vs[1].passed == 0 and vs[2].passed == 0, vs
 
 
+def test_nothing_is_left_in_userns_mode(monkeypatch):
+    """Without root the code is root of its user namespace and may write all of /tmp and /dev/shm: both are
+    emptied after each completion."""
+    from grpo_pipeline import sandbox
+
+    monkeypatch.setattr(sandbox, "_FORCE_MODE", "userns")
+    leave = ("for p in ('/tmp/left', '/dev/shm/left'):\n    try:\n        open(p, 'w').write('x')\n"
+             f"    except OSError:\n        pass\n{REF}")
+    find = ("import os\nseen = os.path.exists('/tmp/left') or os.path.exists('/dev/shm/left')\n"
+            f"def {EP}(x):\n    return x + x if seen else 0\n")
+    hello, vs = sandbox._run_batch([Program(leave, tuple(TESTS), EP), Program(find, tuple(TESTS), EP)],
+                                   Limits(timeout_s=2.0))
+    if hello.get("mode") != "userns":
+        pytest.skip(f"no user namespaces here: {hello}")
+    assert vs[0].reason == "ok" and vs[1].passed == 0, vs
+
+
 def test_judge_decodes_only_plain_data():
     assert sandbox_judge.decode(sandbox_judge.encode({(1, "a"): [{2.5}, frozenset({None})], "b": b"\x00"})) == \
         {(1, "a"): [{2.5}, frozenset({None})], "b": b"\x00"}
