@@ -207,33 +207,45 @@ def add_task_columns(df: pl.DataFrame) -> pl.DataFrame:
 
 
 # ---------------------------------------------------------------- user files
-def _first_call(tests: Sequence[str]) -> str | None:
-    """The first called name that is not a builtin, e.g. ``f`` in ``assert f(1) == 2``."""
-    for src in tests:
-        for node in ast.walk(ast.parse(src)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not hasattr(builtins, node.func.id):
-                return node.func.id
-    return None
+def _first_call(tests: Sequence[str], defined: frozenset[str] = frozenset()) -> str | None:
+    """The first called name that the reference defines, else the first that is not a builtin,
+    e.g. ``f`` in ``assert f(1) == 2`` (``sum`` when the reference defines ``sum``)."""
+    called = [node.func.id for src in tests for node in ast.walk(ast.parse(src))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    return next((n for n in called if n in defined), None) or next((n for n in called if not hasattr(builtins, n)),
+                                                                  None)
 
 
-def _per_assert(stmts: list[ast.stmt], prelude: str = "") -> list[str]:
-    """One test per top-level ``assert``, each preceded by the prelude and the statements before it."""
+def _vacuous(node: ast.Assert, defined: frozenset[str] = frozenset()) -> bool:
+    """An assert that reads no name but builtins (``assert True``, ``assert 1 == 1``): not a test."""
+    return not any(isinstance(n, ast.Name) and (n.id in defined or not hasattr(builtins, n.id))
+                   for n in ast.walk(node.test))
+
+
+def _per_assert(stmts: list[ast.stmt], prelude: str = "", defined: frozenset[str] = frozenset()) -> list[str]:
+    """One test per top-level ``assert`` (vacuous ones dropped), each preceded by the prelude and the
+    statements before it."""
     tests, setup = [], [prelude] if prelude else []
     for s in stmts:
         if isinstance(s, ast.Assert):
-            tests.append("\n".join([*setup, ast.unparse(s)]))
+            if not _vacuous(s, defined):
+                tests.append("\n".join([*setup, ast.unparse(s)]))
         else:
             setup.append(ast.unparse(s))
     return tests
 
 
-def split_tests(tests: str | Sequence[str], *, entry_point: str | None = None) -> list[str]:
+def split_tests(tests: str | Sequence[str], *, entry_point: str | None = None, prelude: str = "",
+                defined: Sequence[str] = ()) -> list[str]:
     """Normalise a task's tests to a list of snippets (see the module docstring).
 
     A list is taken as is (one snippet each). A string is parsed: HumanEval's ``def check(candidate)``
     gives one test per top-level ``assert`` of its body (with the module-level statements and the body's
     earlier statements before it; ``check(<entry_point>)`` as a whole when it has no top-level asserts);
-    other code gives one test per top-level ``assert``. A JSON list in a string is a list.
+    other code gives one test per top-level ``assert``. A JSON list in a string is a list.  Asserts that
+    read no name but builtins (``assert True``) are dropped: they are not tests (names in ``defined``
+    and the entry point count as the code's, even when they shadow a builtin).  ``prelude`` (MBPP's
+    ``test_setup_code``, helpers of a HumanEval prompt) goes before every test.
 
     >>> split_tests("def check(candidate):\\n    assert candidate(1) == 2\\n    assert candidate(0) == 1\\n")
     ['assert candidate(1) == 2', 'assert candidate(0) == 1']
@@ -243,34 +255,60 @@ def split_tests(tests: str | Sequence[str], *, entry_point: str | None = None) -
             tests = json.loads(tests)
         except ValueError:
             pass
+    known = frozenset([*defined, *([entry_point] if entry_point else [])])
+    prelude = prelude.strip()
     if not isinstance(tests, str):
         out = [t.strip() for t in tests if isinstance(t, str) and t.strip()]
-        for t in out:
-            ast.parse(t)
-        return out
+        trees = [ast.parse(t) for t in out]
+        ast.parse(prelude)
+        return ["\n".join(filter(None, [prelude, t])) for t, tree in zip(out, trees)
+                if not (len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert) and _vacuous(tree.body[0], known))]
     tree = ast.parse(tests)
     check = [s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == "check"]
     if not check:
-        return _per_assert(tree.body) or [tests.strip()]
-    prelude = "\n".join(ast.unparse(s) for s in tree.body if s is not check[0])
-    per = _per_assert(check[0].body, prelude)
+        return _per_assert(tree.body, prelude, known) or [f"{prelude}\n{tests.strip()}".strip()]
+    prelude = "\n".join(filter(None, [prelude, *(ast.unparse(s) for s in tree.body if s is not check[0])]))
+    per = _per_assert(check[0].body, prelude, known)
     if per:
         return per
     if entry_point is None:
         msg = "tests define check(candidate) without top-level asserts: an entry_point is needed to call it"
         raise ValueError(msg)
-    return [f"{tests.strip()}\ncheck({entry_point})"]
+    return [f"{prelude}\n{tests.strip()}\ncheck({entry_point})".strip()]
+
+
+def _helpers(prompt: str, entry: str | None) -> str:
+    """The imports and definitions of a HumanEval prompt other than the entry point's (``poly``,
+    ``encode_cyclic``): the judge defines them itself, so the code cannot rig what the tests call."""
+    try:
+        body = ast.parse(prompt).body
+    except SyntaxError:
+        return ""
+    keep = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef, ast.Assign)
+    return "\n".join(ast.unparse(s) for s in body if isinstance(s, keep) and getattr(s, "name", None) != entry)
+
+
+def _defined(code: str) -> frozenset[str]:
+    try:
+        return frozenset(s.name for s in ast.parse(code).body if isinstance(s, ast.FunctionDef))
+    except SyntaxError:
+        return frozenset()
 
 
 def load_tasks(
     path: str | Path, *, prompt_field: str = "prompt", tests_field: str = "tests",
     entry_point_field: str | None = "entry_point", reference_field: str | None = None, id_field: str | None = None,
+    setup_field: str | None = None,
 ) -> pl.DataFrame:
     """Load coding tasks from JSONL or Parquet into a :data:`TASK_COLUMNS` frame.
 
     When the prompt does not mention the entry point, ``"The function must be named `f`."`` is
-    appended (MBPP prompts do not name it). A reference indented at its first line (HumanEval's
-    ``canonical_solution``) is appended to the prompt to give the full reference code.
+    appended (MBPP prompts do not name it). A reference indented at its first non-blank line
+    (HumanEval's ``canonical_solution``, a body) is appended to the prompt to give the full reference
+    code, and the prompt's other definitions become the tests' prelude (:func:`_helpers`).
+    ``setup_field`` (MBPP ``test_setup_code``) is run before every test.  The entry point, when not
+    given, is the first called function the reference defines (even one named like a builtin, ``sum``),
+    else the first called non-builtin.
 
     Raises
     ------
@@ -280,7 +318,7 @@ def load_tasks(
         (each names the file and the 1-based row).
     """
     path = Path(path)
-    records = read_user_records(path, [prompt_field, tests_field, reference_field, id_field])
+    records = read_user_records(path, [prompt_field, tests_field, reference_field, id_field, setup_field])
     rows, ids = [], set()
     for i, rec in enumerate(records):
         where = f"{path}: row {i + 1} (1-based)"
@@ -290,24 +328,28 @@ def load_tasks(
             raise ValueError(msg)
         entry = rec.get(entry_point_field) if entry_point_field else None
         raw = rec.get(tests_field)
+        raw = list(raw) if hasattr(raw, "__iter__") and not isinstance(raw, str) else raw or ""
+        ref = str(rec.get(reference_field) or "") if reference_field else ""
+        body = next((line for line in ref.splitlines() if line.strip()), "")[:1] in (" ", "\t")
+        if body:
+            ref = f"{prompt}\n{ref.lstrip(chr(10))}"
+        defined = _defined(ref)
         try:
-            tests = split_tests(list(raw) if hasattr(raw, "__iter__") and not isinstance(raw, str) else raw or "",
-                                entry_point=entry)
+            entry = entry or _first_call(split_tests(raw, defined=sorted(defined)), defined)
+            prelude = "\n".join(filter(None, [str(rec.get(setup_field) or "") if setup_field else "",
+                                               _helpers(prompt, entry) if body else ""]))
+            tests = split_tests(raw, entry_point=entry, prelude=prelude, defined=sorted(defined))
         except (SyntaxError, ValueError) as e:
             msg = f"{where}: cannot read {tests_field!r}: {type(e).__name__}: {e}"
             raise ValueError(msg) from e
         if not tests:
             msg = f"{where} has no tests in {tests_field!r}"
             raise ValueError(msg)
-        entry = entry or _first_call(tests)
         if not entry or not str(entry).isidentifier():
             msg = f"{where}: no entry point (set {entry_point_field!r} or call the function in the tests), got {entry!r}"
             raise ValueError(msg)
-        ref = str(rec.get(reference_field) or "") if reference_field else ""
-        if ref[:1] in (" ", "\t"):
-            ref = f"{prompt}\n{ref}"
         question = prompt if entry in prompt else f"{prompt}\n\nThe function must be named `{entry}`."
-        pid = f"{path.stem}-{i:06d}" if id_field is None else str(rec.get(id_field) or "")
+        pid = f"{path.stem}-{i:06d}" if id_field is None else ("" if rec.get(id_field) is None else str(rec[id_field]))
         if not pid or pid in ids:
             msg = f"{where} has a null or duplicate {id_field!r}: {pid!r}"
             raise ValueError(msg)

@@ -51,6 +51,10 @@ class DataConfig(Section):
     entry_point_field: str | None = Field("entry_point", description="Coding file: the function name (else inferred).")
     reference_field: str | None = Field(None, description="Coding file: reference code (MBPP code, HumanEval "
                                         "canonical_solution), the SFT target.")
+    setup_field: str | None = Field(None, description="Coding file: code run before every test (MBPP "
+                                    "test_setup_code).")
+    id_field: str | None = Field(None, description="File: the column of unique prompt ids (MBPP task_id, "
+                                 "HumanEval task_id); None: <file stem>-<row>.")
 
     @model_validator(mode="after")
     def _path_for_file(self) -> DataConfig:
@@ -174,7 +178,9 @@ class CustomReward(Section):
 class TestsRewardConfig(Section):
     """The ``tests`` reward (grpo_pipeline/rewards/code.py) and its sandbox (grpo_pipeline/sandbox.py)."""
 
-    all_or_nothing: bool = Field(False, description="1.0 only when every test passes; default: the share passed.")
+    all_or_nothing: bool = Field(True, description="1.0 only when every test passes (a wrong function earns nothing "
+                                 "from tests it happens to pass, e.g. `return None` where None is expected); "
+                                 "false: the share passed.")
     timeout_s: float = Field(2.0, gt=0, le=600, description="Time per completion (code + all its tests): wall clock, "
                              "extended up to 4x while a busy machine has not given it that much CPU.")
     memory_mb: int = Field(256, ge=64, le=1 << 20, description="Address-space limit per sandboxed process.")

@@ -12,20 +12,34 @@ Layout of one supervisor (``root`` mode: the scorer runs as root, as on this pro
     scorer --Popen(env={}, cwd=/)--> supervisor:  unshare(mount, net, pid, ipc, uts)
                                        | mounts: make / private, remount every mount
                                        | read-only + nosuid, tmpfs on /tmp and /dev/shm,
-                                       | empty tmpfs over the scorer's cwd and $HOME
-                                       | (stdlib directories bound back, read-only)
+                                       | empty tmpfs over the scorer's cwd, $HOME and every
+                                       | top-level dir but SYSTEM_DIRS (/work, /home, /opt, ...;
+                                       | stdlib directories bound back, read-only)
                                        +--fork--> init (pid 1 of the new pid namespace, fresh /proc)
-                                                    +--fork--> child, one per completion
+                                                    +--fork--> judge, one per completion: unshare(ipc),
+                                                                 reads the program, runs the tests
+                                                                 +--fork--> candidate: runs the code,
+                                                                            answers the judge's calls
 
-The child, before it runs any completion code: ``chdir`` to an empty ``/tmp/work``; rlimits
+Tests are judged outside the candidate's interpreter (:mod:`grpo_pipeline.sandbox_judge`): the
+candidate only computes the values of the calls the tests make and sends them back as plain data;
+the judge compares.  The candidate is forked before the judge reads the program (its memory never
+holds a test) and gets the code, then one call at a time.  The judge runs as ``uid + 1``, not
+dumpable; the candidate is confined as follows.
+
+The candidate, before it runs any completion code: ``chdir`` to an empty ``/tmp/work``; rlimits
 ``RLIMIT_AS`` (memory_mb), ``RLIMIT_CPU`` (ceil(timeout_s)), ``RLIMIT_FSIZE`` (file_size_mb),
 ``RLIMIT_NPROC`` (max_processes), ``RLIMIT_NOFILE`` 64, no core files; gid/uid set to a
 random unused id (2**30 range, one per supervisor, so ``RLIMIT_NPROC`` counts only its
-processes: as root it would not apply); bounding set dropped, ``no_new_privs``; fds 0-2 on /dev/null;
-environment cleared.  The init waits up to ``timeout_s`` of wall clock, longer while the
-child is runnable but has had under 90% of ``timeout_s`` of CPU (a loaded machine must not
-fail correct code), at most ``4 timeout_s``; then ``kill(-1, SIGKILL)`` inside the namespace, which kills the child and everything it forked
-(also what called ``setsid``), reaps, and empties ``/tmp/work`` and ``/dev/shm``.  The
+processes: as root it would not apply); bounding set dropped, ``no_new_privs``; fds 0-2 on /dev/null,
+3 and 4 the pipes from and to the judge; environment cleared.  Init waits up to ``timeout_s`` of
+wall clock from the moment the judge has the program, longer while the completion is runnable
+but has had under 90% of ``timeout_s`` of CPU (a loaded machine must not
+fail correct code), at most ``4 timeout_s``; then ``kill(-1, SIGKILL)`` inside the namespace, which kills
+judge, candidate and everything it forked (also what called ``setsid``), reaps, and empties
+``/tmp/work`` and ``/dev/shm``; the IPC namespace dies with its last process.  The judge's report
+(``+``/``-`` per test, then the verdict) is relayed through a fixed buffer zeroed after each
+completion, so init, which every later judge and candidate are forked from, keeps no test text.  The
 scorer kills a supervisor that gives no verdict within ``4 timeout_s + 10`` s; init then dies
 (parent-death signal) and the kernel kills the whole namespace with it.
 
@@ -40,22 +54,23 @@ completion killed as a process group, and a temporary directory remain: weak, se
 What it protects against (root and userns modes; the tests in ``tests/test_sandbox.py``
 run each one): endless loops and sleeps (wall and CPU limits); memory bombs
 (``MemoryError`` under ``RLIMIT_AS``); fork bombs (``RLIMIT_NPROC``; all killed at the end);
-writing or deleting files outside the work directory (everything is read-only; the project
-and ``$HOME`` are not even visible); big files (``RLIMIT_FSIZE``, size-capped tmpfs);
+writing or deleting files outside the work directory (everything is read-only; the project,
+``$HOME``, data sets and any top-level directory outside :data:`SYSTEM_DIRS` are not even visible); big files (``RLIMIT_FSIZE``, size-capped tmpfs);
 reading the scorer's environment (cleared, and the scorer's ``/proc`` is not visible);
 network access (an empty network namespace: no interface up, abstract Unix sockets
 separate); setuid binaries; leftover processes and files.
 
-What it does not protect against: reading world-readable files outside the hidden paths
-(``/etc``, ``/usr``, other users' readable files, world-writable Unix sockets such as the
-D-Bus system bus); kernel exploits (there is no seccomp filter, the full syscall surface is
+It also protects against reward hacking (``tests/test_reward_hacking.py``): objects with a rigged
+``__eq__``, patched builtins or harness, forged verdicts, reading the hidden tests; and details are
+stored safely (:func:`grpo_pipeline.sandbox_judge.safe_text`).
+
+What it does not protect against: reading world-readable files in :data:`SYSTEM_DIRS`
+(``/etc``, ``/usr``, ``/var``, world-writable Unix sockets such as the D-Bus system bus); kernel exploits (there is no seccomp filter, the full syscall surface is
 open); CPU and memory pressure on the machine within the limits (``workers`` x
-``max_processes`` x ``memory_mb`` is the worst case; no cgroup caps the total); and reward
-hacking from inside the process: the tests run in the completion's own interpreter, so code
-can forge results on the report pipe, return objects whose ``__eq__`` is always true, or
-inspect the calling test's frame.  ``none`` mode protects against loops, memory and file
-size only: the code has the machine's network and filesystem (as root: as an unused uid), and
-run by a non-root user it runs as that user and can signal the user's other processes.
+``max_processes`` x ``memory_mb`` is the worst case; no cgroup caps the total).  ``none`` mode
+protects against loops, memory and file size only: the code has the machine's network and
+filesystem (as root: as an unused uid), shares the caller's IPC namespace, and run by a non-root
+user it runs as that user and can signal the user's other processes (its judge too).
 
 Example
 -------
@@ -78,7 +93,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-__all__ = ["REASONS", "Limits", "Program", "SandboxUnavailable", "Verdict", "isolation", "run_programs"]
+from grpo_pipeline.sandbox_judge import safe_text
+
+__all__ = ["REASONS", "SYSTEM_DIRS", "Limits", "Program", "SandboxUnavailable", "Verdict", "hidden_paths", "isolation",
+           "run_programs"]
 
 REASONS: dict[str, str] = {
     "ok": "every test passed",
@@ -233,7 +251,7 @@ class _Supervisor:
     def __init__(self, limits: Limits) -> None:
         self.limits, self.failed, self.buf = limits, False, b""
         cfg = {**asdict(limits), "uid": UID_BASE + secrets.randbelow(UID_SPAN), "nproc_base": 0,
-               "force": _FORCE_MODE, "hide": sorted({os.getcwd(), os.path.expanduser("~"), "/root"})}
+               "force": _FORCE_MODE, "hide": hidden_paths()}
         if os.geteuid() != 0 or _FORCE_MODE == "userns":
             cfg["nproc_base"] = _count_processes(os.getuid())
         self.proc = subprocess.Popen([sys.executable, "-I", "-S", _SUPERVISOR, "--supervise"],
@@ -257,7 +275,14 @@ class _Supervisor:
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            self.failed, self.why = True, f"sandbox supervisor wrote a bad line: {safe_text(line[:100])}"
+            return None
+        return obj
 
     def send(self, program: Program) -> None:
         """Queue ``program`` (the supervisor reads it when it is done with the previous one)."""
@@ -273,7 +298,7 @@ class _Supervisor:
         r = None if self.failed else self._line(4 * self.limits.timeout_s + 10)
         if r is None:
             return Verdict(0, len(program.tests), "sandbox_error", self.why)
-        return Verdict(**{k: r[k] for k in ("passed", "total", "reason", "detail", "seconds")})
+        return _checked(r, program) or Verdict(0, len(program.tests), "sandbox_error", "malformed verdict")
 
     def run(self, program: Program) -> Verdict:
         self.send(program)
@@ -293,6 +318,30 @@ class _Supervisor:
             self.proc.kill()  # init has a parent-death signal: the namespace dies with it
             self.proc.wait()
         self.proc.stdout.close()
+
+
+def _checked(r: dict, program: Program) -> Verdict | None:
+    """The supervisor's verdict line as a :class:`Verdict` (detail made safe to store), None if malformed."""
+    passed, total, reason, detail, seconds = (r.get(k) for k in ("passed", "total", "reason", "detail", "seconds"))
+    if (type(passed) is not int or total != len(program.tests) or not 0 <= passed <= total or reason not in REASONS
+            or type(seconds) not in (int, float) or (reason == "ok" and passed != total)):
+        return None
+    return Verdict(passed, total, reason, None if detail is None else safe_text(detail), float(seconds))
+
+
+#: Top-level directories the code may see (read-only); every other one is hidden (data sets, checkouts, homes).
+SYSTEM_DIRS = frozenset({"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "proc", "sys", "tmp",
+                         "run", "var"})
+
+
+def hidden_paths() -> list[str]:
+    """What the sandbox covers with an empty tmpfs: the scorer's cwd, ``$HOME``, ``/root`` and every top-level
+    directory outside :data:`SYSTEM_DIRS` (``/work``, ``/home``, ``/mnt``, ``/opt``, ...); the standard
+    library is bound back read-only where it lies below one of them."""
+    top = [f"/{d}" for d in os.listdir("/") if d not in SYSTEM_DIRS and os.path.isdir(f"/{d}")
+           and not os.path.islink(f"/{d}")]
+    paths = sorted({os.getcwd(), os.path.expanduser("~"), "/root", *top} - {"/"})
+    return [p for p in paths if not any(p.startswith(q.rstrip("/") + "/") for q in paths)]  # outermost only
 
 
 def _run_batch(programs: Sequence[Program], limits: Limits) -> tuple[dict, list[Verdict]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import importlib.util
 import json
 import math
 import os
@@ -18,11 +20,21 @@ import resource
 import select
 import shutil
 import signal
-import struct
 import sys
 import time
 
-_WORK, _CAP = "/tmp/work", 1 << 20  # work dir inside the namespace; bytes read from a child
+_WORK, _CAP = "/tmp/work", 1 << 20  # work dir inside the namespace; bytes of one judge report
+
+
+def _load_judge():  # by path: the package directory must not shadow the stdlib (``io.py``, ``inspect.py``)
+    spec = importlib.util.spec_from_file_location(
+        "grpo_sandbox_judge", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_judge.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_J = _load_judge()
 _PRELOAD = ("math", "cmath", "re", "string", "collections", "collections.abc", "itertools", "functools",
             "operator", "heapq", "bisect", "array", "copy", "random", "statistics", "fractions", "decimal",
             "numbers", "datetime", "calendar", "typing", "enum", "hashlib", "textwrap", "unicodedata")
@@ -116,28 +128,12 @@ def _isolate(cfg: dict) -> tuple[str, list[str]]:
     return ("root" if root else "userns"), notes
 
 
-def _read_frame(fd: int = 0) -> dict | None:
-    """Exactly one length-prefixed JSON object from ``fd`` (no read-ahead: later items stay in the pipe)."""
-    head = _read_exact(fd, 8)
-    return None if head is None else json.loads(_read_exact(fd, struct.unpack("<Q", head)[0]) or b"{}")
-
-
-def _read_exact(fd: int, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
-
-
 def _emit(obj: dict) -> None:
     os.write(1, (json.dumps(obj) + "\n").encode())
 
 
 def _supervise() -> None:
-    cfg = _read_frame()
+    cfg = _J.read_frame(0)
     _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the scorer
     try:
         mode, notes = _isolate(cfg)
@@ -159,37 +155,52 @@ def _supervise() -> None:
             notes.append(f"host /proc still visible ({e.strerror})")
     for name in _PRELOAD:  # imports the code may need, done while the stdlib is readable
         __import__(name)
+    _prctl(4, 0)  # PR_SET_DUMPABLE 0: in userns mode the code's uid is init's; no ptrace, no /proc/1/mem
     _emit({"mode": mode, "notes": notes})
-    i = 0
-    while (item := _read_frame()) is not None:
-        _emit({"i": i, **_run_one(item, cfg, mode)})
-        i += 1
+    while _run_one(cfg, mode):
+        pass
     os._exit(0)
 
 
-def _run_one(item: dict, cfg: dict, mode: str) -> dict:
-    """Fork the child for one completion, wait with the deadline, kill and clean everything."""
+_BUF = bytearray(_CAP)  # the judge's report, relayed without copies and zeroed after: init keeps no test text
+_EOF = 64  # judge exit status: no more programs
+
+
+def _run_one(cfg: dict, mode: str) -> bool:
+    """Fork the judge for the next program, wait with the deadline, relay its verdict (or write one:
+    timeout, crash), kill and clean everything.  False when there are no more programs.
+
+    The judge reports on a pipe: ``S<total>;`` once it has the program (the clock starts), ``+`` or
+    ``-`` per test, then ``=<verdict JSON>\\n``.  Init never reads the program itself."""
     work = _WORK if mode != "none" else __import__("tempfile").mkdtemp(prefix="grpo-sandbox-")
     os.makedirs(work, mode=0o700, exist_ok=True)
     if os.geteuid() == 0 and mode != "userns":
         os.chown(work, cfg["uid"], cfg["uid"])
-    total = len(item["tests"])
     r, w = os.pipe()
-    t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
-            _child(item, cfg, mode, work, w)
+            _judge(cfg, mode, work, w)
         finally:
-            os._exit(70)
+            os._exit(71)
     os.close(w)
-    item.clear()  # the next child must not find this one's code in memory
-    buf, stopped, status = b"", None, None
+    view, n, t0, stopped, status = memoryview(_BUF), 0, None, None, None
+    while t0 is None and (got := os.readv(r, [view[n:]])):
+        n += got
+        t0 = time.monotonic() if _BUF.find(b";", 0, n) >= 0 else None
+    if t0 is None:  # the judge found no program (end of input) or failed before reading one
+        status = _kill_and_reap(pid, mode)
+        os.close(r)
+        shutil.rmtree(work, ignore_errors=True)
+        if status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == _EOF:
+            return False
+        _emit({"error": f"sandbox judge failed before reading a program: {_death(status)[1]}"})
+        os._exit(4)
     pidfd = os.pidfd_open(pid)
     limit = cfg["timeout_s"]
     deadline, cap = t0 + limit, t0 + _WALL_CAP * limit
-    while _DONE not in buf:
+    while _BUF.find(b"\n", 0, n) < 0 and n < _CAP:
         left = deadline - time.monotonic()
         if left <= 0:
             if time.monotonic() < cap and _starved(pid, limit, own_proc=mode != "none" and _OWN_PROC[0]):
@@ -199,11 +210,11 @@ def _run_one(item: dict, cfg: dict, mode: str) -> dict:
             break
         if r not in select.select([r], [], [], left)[0]:
             continue
-        chunk = os.read(r, 65536)
-        buf += chunk[: max(0, _CAP - len(buf))]
-        if not chunk:  # every writer closed: the child is exiting (or closed its report pipe)
+        got = os.readv(r, [view[n:]])
+        if not got:  # the judge is exiting
             break
-    if stopped is None and _DONE not in buf:
+        n += got
+    if stopped is None and _BUF.find(b"\n", 0, n) < 0:
         if select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0]:
             status = os.waitpid(pid, 0)[1]
         else:
@@ -212,13 +223,27 @@ def _run_one(item: dict, cfg: dict, mode: str) -> dict:
     status = st if status is None else status
     os.close(r), os.close(pidfd)
     shutil.rmtree(work, ignore_errors=True)
-    if mode != "none":
-        for name in os.listdir("/dev/shm"):
-            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
-    return _verdict(buf, stopped, status, total, time.monotonic() - t0)
+    if mode != "none":  # the namespace's own tmpfs: in userns mode the code may write anywhere in them
+        for d in ("/dev/shm", "/tmp"):
+            for name in os.listdir(d):
+                path = os.path.join(d, name)
+                with _suppress():
+                    shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not os.path.islink(path) \
+                        else os.unlink(path)
+    head = _BUF.find(b";", 0, n)
+    eq, nl = _BUF.find(b"=", head, n), _BUF.find(b"\n", head, n)
+    if stopped is None and 0 <= eq < nl:
+        os.write(1, view[eq + 1: nl + 1])
+    else:
+        total = int(bytes(view[1:head]))
+        reason, detail = stopped or ("crashed", "the judge process died: " + _death(status)[1])
+        _emit({"passed": _BUF.count(b"+", head, eq if eq >= 0 else n), "total": total, "reason": reason,
+               "detail": detail, "seconds": round(time.monotonic() - t0, 4)})
+    view.release()
+    _BUF[:n] = bytes(n)
+    return True
 
 
-_DONE = b'{"done": true}'
 _WALL_CAP = 4  # wall clock never exceeds this many times timeout_s
 _TICK = os.sysconf("SC_CLK_TCK")
 _OWN_PROC = [False]  # /proc is this pid namespace's
@@ -272,29 +297,6 @@ class _suppress:  # contextlib costs an import per supervisor
         return typ is not None and issubclass(typ, OSError)
 
 
-def _verdict(buf: bytes, stopped: tuple | None, status: int | None, total: int, seconds: float) -> dict:
-    passed, first, load = 0, None, None
-    for line in buf.split(b"\n"):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and "load" in obj:
-            load = obj["load"]
-        elif isinstance(obj, dict) and "t" in obj:
-            if obj.get("fail") is None:
-                passed += 1
-            elif first is None:
-                first = obj["fail"]
-    if load:
-        return {"passed": 0, "total": total, "reason": load[0], "detail": load[1], "seconds": round(seconds, 4)}
-    if stopped is None and _DONE not in buf:
-        stopped = _death(status)
-    reason, detail = stopped or (("ok", None) if passed >= total else (first or ("error", "a test gave no result")))
-    return {"passed": min(passed, total), "total": total, "reason": reason, "detail": detail,
-            "seconds": round(seconds, 4)}
-
-
 def _death(status: int | None) -> tuple[str, str]:
     if status is None:
         return "crashed", "no exit status"
@@ -312,20 +314,74 @@ def _death(status: int | None) -> tuple[str, str]:
     return "exited", f"the process exited with status {code} before the tests finished"
 
 
-# ============================================================== child side (one completion)
+# ============================================================== judge and candidate (one completion)
 _RESERVE = [bytearray(1 << 20)]  # freed on MemoryError, so the report can still be written
 
 
-def _child(item: dict, cfg: dict, mode: str, work: str, w: int) -> None:
-    """Confine this process, then run the completion and its tests (see the module docstring)."""
-    os.chdir(work)
-    os.setsid()
-    cpu = math.ceil(cfg["timeout_s"])
+def _judge(cfg: dict, mode: str, work: str, w: int) -> None:
+    """The judge (see :mod:`grpo_pipeline.sandbox_judge`): a fresh IPC namespace, the candidate forked
+    before the program is read, then the program read, the code sent, itself confined, the tests run."""
+    t0 = time.monotonic()
+    if mode == "none":
+        os.setsid()  # killed as a process group with the candidate
+    else:
+        _check(_libc.unshare(NEWIPC), "unshare(ipc)")  # SysV shm / queues die with this completion
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
+    cpid = os.fork()
+    if cpid == 0:
+        try:
+            for fd in (w, req_w, resp_r):
+                os.close(fd)
+            _child(cfg, mode, work, req_r, resp_w)
+        finally:
+            os._exit(70)
+    os.close(req_r), os.close(resp_w)
+    item = _J.read_frame(0)
+    if item is None:
+        os._exit(_EOF)
+    t0 = time.monotonic()
+    tests, entry = item["tests"], item["entry_point"]
+    os.write(w, b"S%d;" % len(tests))
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0), os.dup2(null, 1), os.close(null)
+    _confine(cfg, mode, judge=True)  # before any candidate code runs
+    try:
+        _J.write_frame(req_w, {"code": item["code"], "entry": entry})
+    except OSError:
+        pass  # the candidate is gone: the first receive says how
+    item = None
+
+    def death() -> tuple[str, str]:
+        return _death(os.waitpid(cpid, 0)[1])
+
+    link = _J._Link(req_w, resp_r, death)
+    try:
+        passed, first = _J.judge_tests(tests, entry, link, lambda ok: os.write(w, b"+" if ok else b"-"))
+    except _J._Dead as e:
+        passed, first = 0, [e.reason, str(e)]
+    except MemoryError as e:
+        _RESERVE.clear()
+        passed, first = 0, ["error", f"the judge ran out of memory ({e})"]
+    reason, detail = ("ok", None) if first is None else first
+    out = {"passed": passed, "total": len(tests), "reason": reason, "detail": detail,
+           "seconds": round(time.monotonic() - t0, 4)}
+    os.write(w, b"=" + (json.dumps(out) + "\n").encode())
+    os._exit(0)
+
+
+def _confine(cfg: dict, mode: str, *, judge: bool = False) -> None:
+    """rlimits, then the uid change (root mode; the judge gets uid + 1) or every capability dropped
+    (userns mode), ``no_new_privs``; the judge is also made non-dumpable (no ptrace, no /proc/pid/mem)."""
+    cpu = math.ceil(cfg["timeout_s"]) + (1 if judge else 0)
     drop_uid = os.geteuid() == 0 and mode != "userns"
-    nproc = cfg["max_processes"] + (0 if drop_uid else cfg["nproc_base"])
-    for res, value in ((resource.RLIMIT_AS, cfg["memory_mb"] << 20), (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+    nproc = 1 if judge else cfg["max_processes"] + (0 if drop_uid else cfg["nproc_base"])
+    memory = cfg["memory_mb"] + (256 if judge else 0)
+    for res, value in ((resource.RLIMIT_AS, memory << 20), (resource.RLIMIT_CPU, (cpu, cpu + 1)),
                        (resource.RLIMIT_FSIZE, cfg["file_size_mb"] << 20), (resource.RLIMIT_NOFILE, 64),
                        (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, nproc)):
+        if judge and res == resource.RLIMIT_NPROC and not drop_uid:
+            continue  # counted per real user outside a uid change: leave it
         soft, hard = value if isinstance(value, tuple) else (value, value)
         cur = resource.getrlimit(res)[1]
         cap = hard if cur == resource.RLIM_INFINITY else min(hard, cur)
@@ -335,70 +391,37 @@ def _child(item: dict, cfg: dict, mode: str, work: str, w: int) -> None:
     if drop_uid or mode == "userns":
         for cap_no in range(64):
             _prctl(24, cap_no)  # PR_CAPBSET_DROP
+    uid = cfg["uid"] + (1 if judge else 0)
     if drop_uid:
         os.setgroups([])
-        os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
-        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])  # clears every capability
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # clears every capability
     elif mode == "userns":
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
         _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
     _check(_prctl(38, 1), "no_new_privs")  # PR_SET_NO_NEW_PRIVS
+    if judge:
+        _check(_prctl(4, 0), "dumpable")  # PR_SET_DUMPABLE 0: the candidate cannot read its memory
     _prctl(1, signal.SIGKILL)  # parent-death signal (cleared by the uid change)
-    out = os.dup(w)
+
+
+def _child(cfg: dict, mode: str, work: str, rfd: int, wfd: int) -> None:
+    """The candidate: confined (module docstring of :mod:`grpo_pipeline.sandbox`), fds 3 (calls in)
+    and 4 (answers out) only, then :func:`grpo_pipeline.sandbox_judge.serve_calls`."""
+    os.chdir(work)
+    if mode != "none":
+        os.setsid()
+    _confine(cfg, mode)
+    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (rfd, wfd)]
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    os.dup2(out, 3)
-    os.closerange(4, 1 << 16)
+    os.dup2(fds[0], 3), os.dup2(fds[1], 4)
+    os.closerange(5, 1 << 16)
     os.environ.clear()
     os.environ.update({"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"})
-    _harness(item, 3)
-
-
-def _harness(item: dict, out: int) -> None:
-    me = os.getpid()
-
-    def report(obj: dict) -> None:
-        if os.getpid() != me:  # a fork of the code came back here: it has no say
-            os._exit(0)
-        os.write(out, (json.dumps(obj) + "\n").encode())
-
-    tests, entry, src = item.pop("tests"), item.pop("entry_point"), item.pop("code")
-    ns: dict = {"__name__": "solution", "__builtins__": __builtins__}
-    try:
-        code = compile(src, "<solution>", "exec")
-    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
-        fail = ["syntax_error", _describe(e)]
-    else:
-        fail = _attempt(code, ns)
-    if fail is None and entry and not callable(ns.get(entry)):
-        fail = ["missing_entry_point", f"no function {entry!r} defined"]
-    if fail is not None:
-        ns.clear()
-        report({"load": fail})
-    else:
-        for i, test in enumerate(tests):
-            try:
-                compiled = compile(test, f"<test {i}>", "exec")
-            except (SyntaxError, ValueError) as e:
-                report({"t": i, "fail": ["test_error", _describe(e)]})
-                continue
-            env = dict(ns, candidate=ns[entry]) if entry else dict(ns)
-            fail = _attempt(compiled, env)
-            env = None
-            if fail is not None:
-                fail[1] = f"test {i} {test.strip()[:100]!r}: {fail[1]}"
-            report({"t": i, "fail": fail})
-    report({"done": True})
+    _J.serve_calls(3, 4, _classify, _describe)
     os._exit(0)
-
-
-def _attempt(code: object, env: dict) -> list | None:
-    try:
-        exec(code, env)  # noqa: S102 - this is the sandbox
-    except BaseException as e:  # noqa: BLE001 - every way out is a verdict
-        return _classify(e)
-    return None
 
 
 def _describe(e: BaseException) -> str:

@@ -141,11 +141,12 @@ def test_load_humaneval_and_mbpp_styles(tmp_path):
     ([{"q": "x"}], {}, r"column 'prompt' not found. Available columns: \['q'\]"),
     ([{"prompt": "p", "tests": []}], {}, r"row 1 \(1-based\) has no tests"),
     ([{"prompt": "p", "tests": ["assert f(1) =="]}], {}, r"row 1 \(1-based\): cannot read 'tests': SyntaxError"),
-    ([{"prompt": "p", "tests": ["assert len([]) == 0"]}], {}, r"row 1 \(1-based\): no entry point"),
+    ([{"prompt": "p", "tests": ["x = [1]\nassert len(x) == 1"]}], {}, r"row 1 \(1-based\): no entry point"),
+    ([{"prompt": "p", "tests": ["assert True", "assert 1 == 1"]}], {}, r"row 1 \(1-based\) has no tests"),
     ([{"prompt": "p", "tests": ["assert f(1)"]}, {"prompt": " ", "tests": ["assert f(1)"]}], {},
      r"row 2 \(1-based\) has an empty or null 'prompt'"),
     ([{"prompt": "p", "tests": ["assert f(1)"], "id": "a"}] * 2, {"id_field": "id"}, r"row 2 .*duplicate 'id'"),
-], ids=["column", "no-tests", "syntax", "entry", "empty-prompt", "dup-id"])
+], ids=["column", "no-tests", "syntax", "entry", "vacuous", "empty-prompt", "dup-id"])
 def test_load_errors_name_file_row_and_column(tmp_path, rows, kwargs, match):
     path = write_jsonl(tmp_path / "user.jsonl", rows)
     with pytest.raises(ValueError, match=match):
@@ -269,3 +270,31 @@ def test_score_stage_joins_tests_from_prompts(tmp_path, tasks):
     with pytest.raises(ValueError, match=r"other.parquet: no prompt 'code-000000'.*Hint"):
         score.run(TESTS, rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s2.parquet"), metrics_path=None,
                   prompts=str(tmp_path / "other.parquet"))
+
+
+@needs_sandbox
+def test_load_mbpp_builtin_name_setup_code_and_ids(tmp_path):
+    """MBPP rows: a function named like a builtin (`sum`), `test_setup_code`, integer ids, `assert True`."""
+    rows = [{"task_id": 7, "text": "Add two numbers.", "code": "def sum(a, b):\n    return a + b",
+             "test_list": ["assert sum(1, 2) == 3", "assert True"], "test_setup_code": ""},
+            {"task_id": 8, "text": "Scale by K.", "code": "def scale(x):\n    return x * K",
+             "test_list": ["assert scale(2) == 6"], "test_setup_code": "K = 3"}]
+    df = load_tasks(write_jsonl(tmp_path / "mbpp.jsonl", rows), prompt_field="text", tests_field="test_list",
+                    reference_field="code", id_field="task_id", setup_field="test_setup_code")
+    assert df["prompt_id"].to_list() == ["7", "8"] and df["entry_point"].to_list() == ["sum", "scale"]
+    assert df["tests"].to_list() == [["assert sum(1, 2) == 3"], ["K = 3\nassert scale(2) == 6"]]
+    code = ["def sum(a, b):\n    return a + b", "K = 3\ndef scale(x):\n    return x * K", "def sum(a, b):\n    return 0"]
+    vs = run_programs([Program(c, tuple(t), e) for c, (t, e) in
+                       zip(code, [*df.select("tests", "entry_point").iter_rows(), ("assert sum(1, 2) == 3", "sum")])])
+    assert [v.reason for v in vs[:2]] == ["ok", "ok"] and vs[2].passed == 0  # the judge calls the code's `sum`
+
+
+def test_humaneval_reference_after_blank_lines_and_prompt_helpers(tmp_path):
+    """HumanEval/81 style: the canonical body starts with a blank line; helpers of the prompt go to the tests."""
+    row = {"task_id": "HumanEval/x", "entry_point": "g",
+           "prompt": "def helper(x):\n    return x * 2\n\n\ndef g(x):\n    \"\"\"Doc.\"\"\"\n",
+           "canonical_solution": "\n   \n    return helper(x) + 1\n",
+           "test": "def check(candidate):\n    assert candidate(1) == helper(1) + 1\n"}
+    df = load_tasks(write_jsonl(tmp_path / "he.jsonl", [row]), tests_field="test", reference_field="canonical_solution")
+    compile(df["answer"][0], "<ref>", "exec")
+    assert df["tests"][0].to_list() == ["def helper(x):\n    return x * 2\nassert candidate(1) == helper(1) + 1"]

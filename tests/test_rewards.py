@@ -90,6 +90,38 @@ ACCURACY_CASES = [
     ("\\sqrt{2}", "2", 0.0),  # not read as the bare 2
 ]
 
+# (gold, prediction, expected), in Math-Verify's style: no false positives, and the common right forms still score
+NO_FALSE_POSITIVES = [
+    # relations are compared as relations
+    ("x > 5", "x < 5", 0.0), ("x > 5", "x > 5", 1.0), ("x > 5", "5 < x", 1.0), ("x \\ge 2", "x \\le 2", 0.0),
+    ("x ≥ 2", "x \\ge 2", 1.0), ("5", "x < 5", 0.0), ("5", "x > 5", 0.0), ("5", "x ≠ 5", 0.0),
+    # letters glued to a number make it something else
+    ("2", "2x", 0.0), ("2", "v2", 0.0), ("2", "AZYUK2A", 0.0), ("2", "x2", 0.0), ("5", "5k", 0.0), ("12", "12e3", 0.0),
+    ("5", "5kg", 1.0), ("3", "3rd", 1.0), ("2", "x = 2", 1.0),
+    # integers are exact, whatever their size
+    ("1000000", "1000001", 0.0), ("1000000", "999999", 0.0), ("123456789", "123456790", 0.0),
+    ("1000000", "1,000,000", 1.0), ("1000000", "1000000.0", 1.0), ("1024", "2^{10}", 1.0), ("1024", "2^{10} + 1", 0.0),
+    # tuples, intervals, sets and expressions are compared as structures
+    ("(1, 2)", "(3, 2)", 0.0), ("(1, 2)", "(1, 2)", 1.0), ("(1, 2)", "(1,2)", 1.0), ("(1, 2)", "(2, 1)", 0.0),
+    ("[1, 2)", "[1, 2]", 0.0), ("[1, 2)", "[1, 2)", 1.0), ("\\{1, 2\\}", "\\{2, 1\\}", 1.0),
+    ("\\{1, 2\\}", "\\{1, 3\\}", 0.0), ("x^2 + 1", "1 + x^2", 1.0), ("x^2 + 1", "x^2 + 2", 0.0),
+    ("2x + 1", "2x + 3", 0.0), ("(1, 2, 3)", "(1, 2, 4)", 0.0),
+    # units do not block a right number
+    ("1234", "1234 m^2", 1.0), ("1234", "1234 cm²", 1.0), ("1234", "1234 square meters", 1.0), ("1234", "1235 m^2", 0.0),
+    ("12", "12 km/h", 1.0),
+    # the common right forms
+    ("12", "12", 1.0), ("12", "12.0", 1.0), ("12", "$12", 1.0), ("12", "12 apples", 1.0), ("12", "12元", 1.0),
+    ("1234", "1,234", 1.0), ("12", "\\boxed{12}", 1.0), ("12", "The answer is 12", 1.0), ("12", "The answer is 12.", 1.0),
+    ("0.75", "3/4", 1.0), ("3/4", "0.75", 1.0), ("3/4", "\\frac{3}{4}", 1.0), ("12", "答案是12", 1.0),
+    ("12", "１２个", 1.0), ("12", "US$12", 1.0), ("-3", "−3", 1.0), ("12", "12 x", 1.0),
+]
+
+
+@pytest.mark.parametrize(("gold", "pred", "expected"), NO_FALSE_POSITIVES)
+def test_no_false_positives_table(gold, pred, expected):
+    assert accuracy([wrap(pred)], [gold]) == [expected]
+    assert accuracy_row(wrap(pred), gold, rel_tol=1e-6) == expected
+
 
 @pytest.mark.parametrize(("pred", "ref", "expected"), ACCURACY_CASES)
 def test_accuracy_table(pred, ref, expected):
@@ -118,9 +150,10 @@ def test_accuracy_missing_or_repeated_tags_is_zero(completion):
     assert accuracy([completion], ["12"]) == [0.0]
 
 
-@pytest.mark.parametrize(("rel_tol", "expected"), [(1e-9, 0.0), (1e-3, 1.0)])
+@pytest.mark.parametrize(("rel_tol", "expected"), [(1e-9, 0.0), (1e-4, 1.0)])
 def test_accuracy_rel_tol(rel_tol, expected):
-    assert accuracy([wrap("100.01")], ["100"], rel_tol=rel_tol) == [expected]
+    assert accuracy([wrap("0.33334")], ["1/3"], rel_tol=rel_tol) == [expected]  # fraction reference: rel_tol
+    assert accuracy([wrap("100.01")], ["100"], rel_tol=rel_tol) == [0.0]  # integer reference: exact
 
 
 @pytest.mark.parametrize(

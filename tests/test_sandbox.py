@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = Limits(timeout_s=1.0, batch_size=4, max_processes=8, memory_mb=256)
 ADD = "def add(a, b):\n    return a + b\n"
 ADD_TESTS = ("assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4")
+CALL = ("assert f() == 1",)  # a test needs a call: it passes when the code loaded
+
+
+def prog(code: str) -> Program:
+    """``code`` (which acts while loading) plus a trivial ``f`` for the one test to call."""
+    return Program(code + "\ndef f():\n    return 1\n", CALL)
 
 pytestmark = pytest.mark.skipif(os.name != "posix" or not hasattr(os, "pidfd_open"), reason="Linux only")
 
@@ -144,14 +150,14 @@ def outside(tmp_path):
 def test_memory_bomb_is_stopped(mode):
     bombs = ["x = []\nwhile True:\n    x.append(' ' * 10**6)\n", "x = bytearray(1 << 40)\n",
              "def f():\n    return [0] * (10 ** 10)\n"]
-    vs = run_programs([Program(b, ("f()" if "def f" in b else "pass",)) for b in bombs], limits=FAST)
+    vs = run_programs([Program(b, ("f()",)) if "def f" in b else prog(b) for b in bombs], limits=FAST)
     assert [v.reason for v in vs] == ["memory"] * 3, vs
     assert all("MemoryError" in v.detail for v in vs)
 
 
 def test_file_size_limit(mode):
     code = "open('big', 'wb').write(b'x' * (3 << 20))\n"
-    (v,) = run_programs([Program(code, ("pass",))], limits=Limits(timeout_s=2, file_size_mb=1))
+    (v,) = run_programs([prog(code)], limits=Limits(timeout_s=2, file_size_mb=1))
     assert v.reason == "file_size", v
 
 
@@ -160,7 +166,7 @@ def test_bounded_fork_bomb_then_unbounded_are_contained(mode):
         pytest.skip("RLIMIT_NPROC does not apply to a real root")
     bounded = ("import os, time\nfor i in range(200):\n    if os.fork() == 0:\n        time.sleep(60)\n"
                "        os._exit(0)\n")
-    (v,) = run_programs([Program(bounded, ("pass",))], limits=FAST)
+    (v,) = run_programs([prog(bounded)], limits=FAST)
     assert v.reason == "process_limit" and "Errno 11" in v.detail, v
     assert sandbox_pids() == []  # the 7 sleeping children were killed with the namespace
     bombs = ["import os\nwhile True:\n    os.fork()\n",
@@ -169,7 +175,7 @@ def test_bounded_fork_bomb_then_unbounded_are_contained(mode):
              # escape attempt: new sessions, double fork, then keep sleeping
              ("import os, time\nfor i in range(4):\n    if os.fork() == 0:\n        os.setsid()\n"
               "        if os.fork() == 0:\n            time.sleep(60)\n        os._exit(0)\ntime.sleep(0.2)\n")]
-    vs = run_programs([Program(b, ("pass",)) for b in bombs], limits=FAST)
+    vs = run_programs([prog(b) for b in bombs], limits=FAST)
     assert [v.reason for v in vs] == ["process_limit", "timeout", "process_limit", "ok"], vs
     assert sandbox_pids() == []
 
@@ -184,7 +190,7 @@ def test_writes_and_deletes_outside_are_denied(mode, outside):
         "chmod": f"import os\nos.chmod({str(target)!r}, 0o777)\n",
         "project": f"open({str(ROOT / f'escape-{uuid.uuid4().hex}.txt')!r}, 'w').write('x')\n",
     }
-    vs = dict(zip(progs, run_programs([Program(c, ("pass",)) for c in progs.values()], limits=FAST)))
+    vs = dict(zip(progs, run_programs([prog(c) for c in progs.values()], limits=FAST)))
     for name, v in vs.items():
         # denied, or (for a checkout under /tmp, which the sandbox replaces by its own tmpfs) not even visible
         contained = (v.reason == "forbidden" and "filesystem" in v.detail) or (
@@ -200,7 +206,7 @@ def test_project_and_home_are_hidden_and_workdir_is_fresh(mode, monkeypatch):
             f"assert not os.path.exists({str(ROOT / 'pyproject.toml')!r})\n"
             "assert os.listdir('.') == [] and os.getcwd() == os.environ['HOME']\n"
             "open('mine.txt', 'w').write('scratch is fine')\n")
-    vs = run_programs([Program(code, ("pass",))] * 2, limits=FAST)  # the 2nd must not see the 1st's file
+    vs = run_programs([prog(code)] * 2, limits=FAST)  # the 2nd must not see the 1st's file
     assert [v.reason for v in vs] == ["ok", "ok"], vs
 
 
@@ -212,7 +218,7 @@ def test_parent_environment_is_not_visible(mode, monkeypatch):
               f"            found += [pid] if {secret!r}.encode() in open(f'/proc/{{pid}}/environ', 'rb').read() else []\n"
               "        except OSError:\n            pass\nassert not found, found\n")
     direct = f"print(open('/proc/{os.getpid()}/environ').read())\n"
-    vs = run_programs([Program(search, ("pass",)), Program(direct, ("pass",))], limits=FAST)
+    vs = run_programs([prog(search), prog(direct)], limits=FAST)
     assert vs[0].reason == "ok", vs[0]  # searched everywhere it can see: no secret
     assert vs[1].reason in ("error", "forbidden") and secret not in (vs[1].detail or ""), vs[1]
 
@@ -224,7 +230,7 @@ def test_network_is_unreachable(mode):
     progs = ["import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\n",
              f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n",
              "import socket\nsocket.getaddrinfo('pypi.org', 443)\n"]
-    vs = run_programs([Program(p, ("pass",)) for p in progs], limits=FAST)
+    vs = run_programs([prog(p) for p in progs], limits=FAST)
     assert [v.reason for v in vs] == ["forbidden"] * 3, vs
     assert all("network" in v.detail for v in vs)
     with pytest.raises(TimeoutError):
@@ -236,10 +242,12 @@ def test_machine_is_untouched(mode):
     mounts = Path("/proc/self/mountinfo").read_text()
     tmp_before = set(os.listdir("/tmp"))
     code = "import os\nopen('/tmp/work/../leak', 'w').write('x')\n"
-    # kill(-1) only where the program sees a private pid namespace (init + itself)
-    kill_all = "import os\nif len([p for p in os.listdir('/proc') if p.isdigit()]) <= 2:\n    os.kill(-1, 9)\n"
-    vs = run_programs([Program(code, ("pass",)), Program(kill_all, ("pass",))], limits=FAST)
-    assert [v.reason for v in vs] == ["forbidden", "error"] and "No such process" in vs[1].detail, vs  # no one to kill
+    # kill(-1) only where the program sees a private pid namespace (init, its judge and itself)
+    kill_all = "import os\nif b'sandbox_supervisor' in open('/proc/1/cmdline', 'rb').read():\n    os.kill(-1, 9)\n"
+    vs = run_programs([prog(code), prog(kill_all), Program(ADD, ADD_TESTS, "add")], limits=FAST)
+    # root mode: the judge runs as another uid, kill(-1) reaches no one; userns mode: it kills the judge (0 reward)
+    assert vs[0].reason == "forbidden" and (vs[1].reason, vs[1].passed) in (("ok", 1), ("crashed", 0)), vs
+    assert vs[2].reason == "ok", vs  # the next completion keeps its verdict
     assert Path("/proc/self/mountinfo").read_text() == mounts
     assert "leak" not in set(os.listdir("/tmp")) - tmp_before and sandbox_pids() == []
 
@@ -249,11 +257,11 @@ def test_userns_mode_contains_the_same(mode, monkeypatch):
     monkeypatch.setattr(sandbox, "_FORCE_MODE", "userns")
     hello, vs = sandbox._run_batch([
         Program(ADD, ADD_TESTS, "add"),
-        Program("while True:\n    pass\n", ("pass",)),
-        Program("x = bytearray(1 << 40)\n", ("pass",)),
-        Program(f"open({str(ROOT / 'escape.txt')!r}, 'w')\n", ("pass",)),
-        Program("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\n", ("pass",)),
-        Program("import ctypes\nassert ctypes.CDLL(None).mount(None, b'/', None, 32 | 4096, None) != 0\n", ("pass",)),
+        prog("while True:\n    pass\n"),
+        prog("x = bytearray(1 << 40)\n"),
+        prog(f"open({str(ROOT / 'escape.txt')!r}, 'w')\n"),
+        prog("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\n"),
+        prog("import ctypes\nassert ctypes.CDLL(None).mount(None, b'/', None, 32 | 4096, None) != 0\n"),
     ], FAST)
     if hello.get("mode") != "userns":
         pytest.skip(f"no user namespaces here: {hello}")

@@ -6,7 +6,7 @@ is dropped).  It runs in :mod:`grpo_pipeline.sandbox` with the task's ``tests`` 
 ``entry_point``) columns, which the score stage joins from the prompts file (:func:`attach_tests`).
 
 =================  ==========================================================================
-value              ``passed / total`` (``reward.tests.all_or_nothing``: 1.0 when all pass, else 0.0);
+value              ``reward.tests.all_or_nothing`` (default): 1.0 when all pass, else 0.0; else ``passed / total``;
                    0.0 without an answer block; null where the row has no tests (a math prompt)
                    or the sandbox failed (then ``reward_error`` says why)
 ``tests_passed``   tests passed (Int32), ``tests_total`` tests run (Int32)
@@ -66,7 +66,7 @@ def tests_rule(df: pl.DataFrame, *, cfg: object = None, **_: object) -> tuple[pl
     the :data:`EXTRA_FIELDS` columns."""
     n = df.height
     tcfg = getattr(cfg, "tests", None)
-    all_or_nothing = bool(getattr(tcfg, "all_or_nothing", False))
+    all_or_nothing = bool(getattr(tcfg, "all_or_nothing", True))
     tests = df["tests"].to_list() if "tests" in df.columns else [None] * n
     entries = df["entry_point"].to_list() if "entry_point" in df.columns else [None] * n
     codes = extract_code(df["completion"]).to_list()

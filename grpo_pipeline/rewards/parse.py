@@ -13,17 +13,21 @@ inside ``<answer>…</answer>`` and the reference) go through the same steps:
    separators (``1,234``), and any prefix / suffix made of words, units and
    punctuation (``约``, ``about``, ``≈``, ``x =``, ``元``, ``yuan``, ``pencils``,
    ``元/支``, ``%``).  Prefix and suffix may not hold digits nor the characters
-   ``\\ { } ^ _ ( ) [ ] √ π + - *`` (and the prefix no ``/``): those mean an
-   expression, left to math-verify.
+   ``\\ { } ^ _ ( ) [ ] √ π + - * < > ≤ ≥ ≠`` (and the prefix no ``/``): those mean an
+   expression or a relation, left to math-verify.  A letter glued to the number
+   ("2x", "v2", "AZYUK2A") makes it an expression too, except the unit words of
+   :data:`UNITS` ("5kg", "3rd"); a length unit's power is dropped first ("1234 m^2").
 
 Tolerance rule (:func:`numbers_match_expr`), with ``p`` the prediction and ``r``
 the reference:
 
-- ``p`` matches ``r`` when ``|p - r| <= rel_tol * max(|p|, |r|)``, or
+- an integer ``r`` (written without decimals, not a fraction) matches only an equal
+  ``p`` ("12.0" matches "12"; "1000001" does not match "1000000": no tolerance);
+- otherwise ``p`` matches ``r`` when ``|p - r| <= rel_tol * max(|p|, |r|)``, or
 - when ``r`` is written with ``d >= 1`` decimals (``"1.67"``: d = 2) and ``p``
   rounded to ``d`` decimals (ties away from zero) equals ``r``: "5/3", "1.667",
-  "1.670" match "1.67"; "1.7" and "1.675" do not.  Integer and fraction
-  references use ``rel_tol`` only ("12.4" does not match "12").
+  "1.670" match "1.67"; "1.7" and "1.675" do not.  Fraction references use
+  ``rel_tol`` only.
 
 Float noise at the rounding boundary is absorbed by ``1e-6`` of the half unit.
 """
@@ -80,6 +84,9 @@ def normalize_series(s: pl.Series) -> pl.Series:
     rules run only on the rows holding ``\\`` or ``{``; braces are dropped only when
     no backslash command is left, so ``\\sqrt{2}`` stays unparseable."""
     s = s.str.replace_many(_FROM, _TO)
+    power = s.str.contains(r"[\^²³]").arg_true()
+    if len(power):
+        s = s.scatter(power, s.gather(power).str.replace_all(UNIT_POWER_RE, "${1}"))
     idx = s.str.contains(r"[\\{]").arg_true()
     if len(idx):
         sub = s.gather(idx)
@@ -96,6 +103,7 @@ def normalize_series(s: pl.Series) -> pl.Series:
 def normalize_text(s: str) -> str:
     """Per-row twin of :func:`normalize_series`."""
     s = "".join(CHAR_MAP.get(ch, ch) for ch in s)
+    s = _UNIT_POWER_PY.sub(r"\1", s)
     for pat, repl in _LATEX_RULES_PY:
         s = pat.sub(repl, s)
     if "\\" not in s:
@@ -106,13 +114,20 @@ def normalize_text(s: str) -> str:
 # ------------------------------------------------------------------ plain numbers
 _INT = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"
 _NUM = rf"(?:{_INT}(?:\.[0-9]+)?|\.[0-9]+)"
-_BAD = r"0-9\\{}^_()\[\]√π+\-*"
+_BAD = r"0-9\\{}^_()\[\]√π+\-*<>≤≥≠"
+#: Unit words that may be glued to a number ("5kg", "3rd"); any other letter glued to it
+#: ("2x", "v2", "5k") makes the text not a plain number.
+UNITS = ("kg|mg|km|cm|mm|ml|mL|g|L|h|hr|hrs|min|mins|sec|secs|lb|lbs|oz|ft|mph|kph|st|nd|rd|th")
 #: One number in the whole string; groups ``sign``, ``num``, ``den`` (same syntax in
-#: Python ``re`` and polars' Rust regex).
+#: Python ``re`` and polars' Rust regex).  No letter right before the number (a currency code
+#: before ``$``: ``US$12``), no letter right after it but a unit of :data:`UNITS`.
 PLAIN_NUMBER_RE = (
-    rf"^[^{_BAD}/]*?(?P<sign>[-+]?)\s*[$¥€£]?\s*(?P<num>{_NUM})"
-    rf"(?:\s*/\s*(?P<den>{_NUM}))?[^{_BAD}]*$"
+    rf"^(?:[^{_BAD}/]*?[^{_BAD}/A-Za-z])?(?P<sign>[-+]?)\s*(?:[A-Z]{{0,3}}[$¥€£])?\s*(?P<num>{_NUM})"
+    rf"(?:\s*/\s*(?P<den>{_NUM}))?(?:(?:{UNITS})(?:[^{_BAD}A-Za-z][^{_BAD}]*)?|[^{_BAD}A-Za-z][^{_BAD}]*)?$"
 )
+#: A length unit's square or cube ("m^2", "cm²"): the power is dropped, so "1234 m^2" reads as 1234.
+UNIT_POWER_RE = r"(?-u:\b)((?:m|cm|mm|km|dm|ft|in|yd|mi)\s*)(?:\^\s*\{?\s*[23]\s*\}?|[²³])"
+_UNIT_POWER_PY = re.compile(UNIT_POWER_RE.replace("(?-u:\\b)", "\\b"), re.ASCII)
 _PLAIN_PY = re.compile(PLAIN_NUMBER_RE, re.DOTALL)
 
 
@@ -196,14 +211,15 @@ def numbers_match_expr(pred: pl.Expr, ref: pl.Expr, decimals: pl.Expr, *, rel_to
     eps = half * _TIE_SLACK
     rounded = (ra - half <= pa + eps) & (pa < ra + half - eps)
     use_round = decimals.fill_null(0) >= 1
-    return (pred == ref) | close | (use_round & rounded)
+    integer = decimals.fill_null(-1) == 0  # an integer reference: equal or wrong, no tolerance
+    return (pred == ref) | (close & ~integer) | (use_round & rounded)
 
 
 def numbers_match(pred: float, ref: float, decimals: int | None, *, rel_tol: float) -> bool:
     """Per-row twin of :func:`numbers_match_expr`."""
     if not (math.isfinite(pred) and math.isfinite(ref)):
         return False
-    if pred == ref or abs(pred - ref) <= rel_tol * max(abs(pred), abs(ref)):
+    if pred == ref or (decimals != 0 and abs(pred - ref) <= rel_tol * max(abs(pred), abs(ref))):
         return True
     if not decimals:
         return False

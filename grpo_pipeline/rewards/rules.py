@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import threading
 from collections.abc import Callable
 
@@ -142,11 +143,20 @@ def _mv_float(x: object) -> float | None:
     return v.real if v.imag == 0 and math.isfinite(v.real) else None
 
 
+_STRUCTURE = re.compile(r"[\\^{}()\[\]<>=,]|[A-Za-z][0-9]|[0-9][A-Za-z]")
+_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
+
+
 def _mv_text(s: str) -> str:
-    """Full-width to ASCII; bare LaTeX (``\\sqrt{2}``, ``2^{10}``) wrapped in ``$…$``,
-    which math-verify needs to find it."""
+    """Full-width to ASCII, ``≤ ≥ ≠`` to LaTeX; math without ``$`` wrapped in ``$…$`` so that
+    math-verify parses it as a whole (a tuple, interval, set, relation, ``2x``) instead of taking
+    its last number: text with LaTeX, brackets, relations, commas or a letter glued to a digit, or
+    without any word of three letters."""
     s = "".join(CHAR_MAP.get(ch, ch) for ch in s).strip()
-    return f"${s}$" if "$" not in s and any(ch in s for ch in "\\^{") else s
+    s = s.replace("≤", "\\le ").replace("≥", "\\ge ").replace("≠", "\\neq ")
+    if "$" in s:
+        return s
+    return f"${s}$" if _STRUCTURE.search(s) or not _WORD.search(s) else s
 
 
 @functools.lru_cache(maxsize=65536)
@@ -168,7 +178,8 @@ def math_verify_match(pred: str, ref: str, *, rel_tol: float) -> bool:
     gv, tv = _mv_float(gold[0]), _mv_float(target[0])
     if gv is not None and tv is not None:  # two real numbers: the tolerance rule decides
         ref_num = parse_number(ref)
-        return numbers_match(tv, gv, ref_num.decimals if ref_num else None, rel_tol=rel_tol)
+        decimals = ref_num.decimals if ref_num else (0 if gv == int(gv) and "." not in ref else None)
+        return numbers_match(tv, gv, decimals, rel_tol=rel_tol)
     return bool(verify(gold, target, timeout_seconds=timeout))
 
 

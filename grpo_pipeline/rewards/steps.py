@@ -208,14 +208,14 @@ def _claim_checks(claims: pl.DataFrame) -> pl.Series:
         for i in chains.arg_true().to_list():
             vals[i] = _eval_chain(parts["lhs"][i] or "")
         parts = parts.with_columns(value=pl.Series(vals, dtype=pl.Float64))
-    frac = pl.col("d").is_not_null()
+    frac = pl.col("d").is_not_null()  # a fraction: rel_tol (decimals null); an integer: exact
     parts = parts.with_columns(
         c=pl.when(frac).then(_num(pl.col("c")) / _num(pl.col("d"))).otherwise(_num(pl.col("c"))),
-        dec=pl.when(frac).then(0).otherwise(pl.col("c").str.extract(r"\.([0-9]+)$", 1).str.len_chars().fill_null(0))
+        dec=pl.when(frac).then(None).otherwise(pl.col("c").str.extract(r"\.([0-9]+)$", 1).str.len_chars().fill_null(0))
         .cast(pl.Int32),
     )
     v, c, dec = pl.col("value"), pl.col("c"), pl.col("dec")
-    truncated = pl.col("ell").is_not_null() & ((v - c).abs() < pl.lit(10.0).pow(-dec.cast(pl.Float64)))
+    truncated = pl.col("ell").is_not_null() & ((v - c).abs() < pl.lit(10.0).pow(-dec.fill_null(0).cast(pl.Float64)))
     ok = numbers_match_expr(v, c, dec, rel_tol=1e-9) | truncated
     return parts.select(ok=pl.when(v.is_finite() & c.is_finite()).then(ok).otherwise(False).fill_null(False))["ok"]
 

@@ -16,13 +16,14 @@ def run(cfg: DataConfig, *, train_out: str, eval_out: str, metrics_path: str | N
         df = generate_tasks(n=cfg.n_train + cfg.n_eval, seed=cfg.seed, families=cfg.coding_kinds, n_tests=cfg.n_tests)
     elif cfg.task == "coding":
         df = load_tasks(cfg.path, prompt_field=cfg.prompt_field, tests_field=cfg.tests_field,
-                        entry_point_field=cfg.entry_point_field, reference_field=cfg.reference_field)
+                        entry_point_field=cfg.entry_point_field, reference_field=cfg.reference_field,
+                        id_field=cfg.id_field, setup_field=cfg.setup_field)
     elif cfg.source == "synthetic":
         df = generate_problems(n=cfg.n_train + cfg.n_eval, seed=cfg.seed, languages=cfg.languages,
                                kinds=cfg.kinds, difficulty=cfg.difficulty)
     else:
         df = load_problems(cfg.path, question_field=cfg.question_field, answer_field=cfg.answer_field,
-                           solution_field=cfg.solution_field)
+                           solution_field=cfg.solution_field, id_field=cfg.id_field)
     df = add_task_columns(df)  # null tests / entry_point for math prompts
     train, evald = split_train_eval(df, n_eval=cfg.n_eval, seed=cfg.seed)
     meta = {"data": cfg.model_dump()}
