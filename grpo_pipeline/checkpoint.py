@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +183,8 @@ def _check_tokenizer_dir(path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- save / load
-def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path, *, metadata: dict[str, Any]) -> None:
+def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path, *, metadata: dict[str, Any],
+                    extra: Callable[[Path], None] | None = None) -> None:
     """Write ``model`` + ``tokenizer`` + ``metadata`` to ``out_dir``, atomically.
 
     Parameters
@@ -197,6 +199,9 @@ def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path, *, metadata
     metadata : dict
         JSON-serialisable; written to ``grpo_pipeline.json`` with sorted keys.
         Nothing is added (no timestamp), so the file is deterministic.
+    extra : callable, optional
+        Called with the temporary directory once the weights are in it, before the rename: files it
+        writes there (e.g. the AdamW state, ``grpo_pipeline.train_state``) appear atomically with them.
     """
     if not isinstance(metadata, dict):
         msg = f"metadata must be a dict, got {type(metadata).__name__}"
@@ -211,6 +216,8 @@ def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path, *, metadata
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / METADATA_FILE).write_text(meta_text, encoding="utf-8")
+        if extra is not None:
+            extra(tmp)
     fd = os.open(out_dir.parent, os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(fd)

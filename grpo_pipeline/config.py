@@ -268,8 +268,9 @@ class UpdateConfig(Section):
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Decay floor as a share of lr.")
     optimizer_state: Literal["carry", "fresh"] = Field(
-        "carry", description="carry: resume AdamW moments from the previous update when they belong to this "
-        "iteration's policy (see grpo_pipeline/train_state.py); fresh: new moments every iteration.",
+        "carry", description="carry: each update stores its AdamW moments inside its checkpoint (optimizer/, "
+        "2x the weights) and the next update resumes them (see grpo_pipeline/train_state.py); fresh: new moments "
+        "every iteration, none stored.",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="bfloat16: autocast for forward/backward; auto: bfloat16 where the hardware runs it "

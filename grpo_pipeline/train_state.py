@@ -1,37 +1,29 @@
-"""AdamW state carried from update@itN to update@itN+1, with one copy on disk, not one per iteration.
+"""AdamW state carried from update@itN to update@itN+1, stored inside the checkpoint it belongs to.
 
 What carries over, and where
 ----------------------------
 * the **global step** (warm-up and the learning-rate schedule, ``update.total_steps``) lives in
-  each checkpoint's ``grpo_pipeline.json`` as ``train_state.global_step``: a declared DVC output,
-  so it is reproducible and versioned with the weights;
-* the **AdamW moments** (two float32 tensors per parameter, twice the model's size) live in one
-  *state directory* (``models/optimizer_state`` in ``dvc.yaml``): ``optimizer.pt`` (keyed by
-  parameter name, so it does not depend on the strategy or the number of processes) and
-  ``manifest.json``, which names the checkpoint the moments belong to by the sha256 of its
-  weight files.  Each update overwrites it, atomically, after its checkpoint is written.
+  each checkpoint's ``grpo_pipeline.json`` as ``train_state.global_step``;
+* the **AdamW moments** (two float32 tensors per parameter, twice the model's size) live in the
+  checkpoint's ``optimizer/`` folder: ``optimizer.pt`` (keyed by parameter name, so it does not
+  depend on the strategy or the number of processes) and ``manifest.json``, which names the
+  checkpoint the moments belong to by the sha256 of its weight files.
 
-An update resumes the moments only when the manifest's hash equals its input policy's weights,
-i.e. when the state was written by the update that produced that policy.  Otherwise (first
-iteration, fresh clone, an earlier iteration re-run, ``update.optimizer_state: fresh``) it
-starts with fresh moments, and says so: ``optimizer_state`` in the metrics and in the new
-checkpoint's ``train_state``.
+``update@itN`` writes them into its output checkpoint's temporary directory, so the weights and
+the moments appear together in one atomic rename (``checkpoint.save_checkpoint(extra=...)``), and
+``update@itN+1`` reads them from its policy directory, which is a declared DVC dependency.  So
+the carried state is an ordinary, versioned part of the pipeline:
 
-Why not a DVC output
---------------------
-A DVC output is immutable per stage and has one path per stage: ``update@itN`` cannot overwrite
-``update@itN-1``'s output, and one state output per iteration is exactly the copy per iteration
-we avoid (the DVC cache would keep all of them; AdamW state is 2x the weights).  Deleting the
-previous one would mark ``update@itN-1`` as changed and make ``dvc repro`` re-run it.  So the
-state is a deliberately *undeclared* side input, guarded by the content hash:
+* a killed update leaves either the old checkpoint with its own moments or the new one with its
+  own, never a checkpoint paired with another's moments; ``dvc repro`` after a kill at any point
+  gives what an uninterrupted run gives, and ``dvc status`` tells the truth;
+* re-running one old iteration alone, or a fresh clone after ``dvc pull``, resumes exactly the
+  moments the first run used.
 
-* ``dvc repro`` in order (the normal case) continues AdamW exactly as one long run would
-  (``tests/test_update.py`` checks update, stop, update == two updates in one run);
-* re-running one old iteration alone (``dvc repro -f update@it1`` after ``it2`` ran) or running on
-  a fresh clone after ``dvc pull`` starts that update with fresh moments: the result then differs
-  from the first run (the metrics say ``optimizer_state: fresh``), while DVC sees equal inputs;
-* for runs that must be a pure function of their declared inputs, set
-  ``update.optimizer_state: fresh`` (every iteration starts new moments, as TRL does per run).
+Cost: the moments are 2x the weights in every ``models/itN`` (and in the DVC cache).  vLLM, the
+evaluation and ``from_pretrained`` read only the top-level weight files, so they ignore the folder.
+``update.optimizer_state: fresh`` writes none and starts new moments every iteration (as TRL does
+per run).  The first update (policy ``models/sft``) starts fresh: SFT's optimizer is not GRPO's.
 """
 
 from __future__ import annotations
@@ -44,11 +36,11 @@ from typing import Any
 import torch
 
 from grpo_pipeline.checkpoint import sha256_file
-from grpo_pipeline.io import atomic_dir
 
+STATE_DIR = "optimizer"          # inside the checkpoint directory (not a *.safetensors: vLLM ignores it)
 STATE_FILE = "optimizer.pt"
 MANIFEST_FILE = "manifest.json"
-FORMAT = 1
+FORMAT = 2
 
 
 def weights_fingerprint(checkpoint: str | Path) -> str:
@@ -64,41 +56,51 @@ def weights_fingerprint(checkpoint: str | Path) -> str:
     return h.hexdigest()
 
 
-def read_manifest(state_dir: str | Path) -> dict[str, Any] | None:
-    """The state directory's manifest, or ``None`` when there is no (readable) state."""
-    path = Path(state_dir) / MANIFEST_FILE
-    if not path.is_file() or not (Path(state_dir) / STATE_FILE).is_file():
+def read_manifest(checkpoint: str | Path) -> dict[str, Any] | None:
+    """The manifest of the checkpoint's optimizer state, or ``None`` when it has none.
+
+    A manifest that is present but unreadable is an error naming the file (never a silent fresh start).
+    """
+    d = Path(checkpoint) / STATE_DIR
+    path = d / MANIFEST_FILE
+    if not d.exists():
         return None
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: unreadable optimizer state manifest ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not (d / STATE_FILE).is_file():
+        raise ValueError(f"{path}: not an optimizer state of format {FORMAT} beside {STATE_FILE}")
+    return meta
 
 
-def load_state(state_dir: str | Path | None, policy: str | Path) -> tuple[dict | None, str]:
-    """The optimizer state written with ``policy``, and why it is (not) used.
+def load_state(policy: str | Path) -> tuple[dict | None, str]:
+    """The optimizer state stored with ``policy``, and why it is (not) used.
 
     Returns
     -------
     state : the full optimizer state dict, or ``None`` (start fresh).
     reason : ``"resumed"``, or a sentence saying why the moments start fresh.
     """
-    if state_dir is None:
-        return None, "fresh: no optimizer state directory given"
-    meta = read_manifest(state_dir)
+    meta = read_manifest(policy)
     if meta is None:
-        return None, f"fresh: no optimizer state in {str(state_dir)!r}"
+        return None, f"fresh: {str(policy)!r} holds no optimizer state"
     if meta.get("weights_sha256") != weights_fingerprint(policy):
-        return None, (f"fresh: the optimizer state in {str(state_dir)!r} belongs to {meta.get('checkpoint')!r} "
-                      f"(global step {meta.get('global_step')}), not to {str(policy)!r}")
-    return torch.load(Path(state_dir) / STATE_FILE, map_location="cpu", weights_only=True), "resumed"
+        msg = (f"{Path(policy) / STATE_DIR / MANIFEST_FILE}: the optimizer state belongs to other weights than "
+               f"{str(policy)!r}'s (edited checkpoint?); remove {STATE_DIR}/ or set update.optimizer_state: fresh")
+        raise ValueError(msg)
+    return torch.load(Path(policy) / STATE_DIR / STATE_FILE, map_location="cpu", weights_only=True), "resumed"
 
 
-def save_state(state_dir: str | Path, state: dict, *, checkpoint: str | Path, global_step: int) -> None:
-    """Replace the state directory atomically with ``state``, paired with the weights of ``checkpoint``."""
+def write_state(checkpoint_dir: str | Path, state: dict, *, checkpoint: str | Path, global_step: int) -> None:
+    """Write ``state`` into ``checkpoint_dir/optimizer``, paired with the weights already in ``checkpoint_dir``.
+
+    ``checkpoint_dir`` is the checkpoint's temporary directory (``save_checkpoint(extra=...)``),
+    ``checkpoint`` its final path, recorded in the manifest.
+    """
+    d = Path(checkpoint_dir) / STATE_DIR
+    d.mkdir()
+    torch.save(state, d / STATE_FILE)
     meta = {"format": FORMAT, "checkpoint": str(checkpoint), "global_step": global_step,
-            "weights_sha256": weights_fingerprint(checkpoint)}
-    with atomic_dir(state_dir) as tmp:
-        torch.save(state, tmp / STATE_FILE)
-        (tmp / MANIFEST_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            "weights_sha256": weights_fingerprint(checkpoint_dir)}
+    (d / MANIFEST_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")

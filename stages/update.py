@@ -21,8 +21,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--metrics", default=None)
     p.add_argument("--steps", default=None, help="per-optimizer-step metrics (DVC plot)")
-    p.add_argument("--optimizer-state", default=None,
-                   help="directory of the AdamW state carried between iterations (see grpo_pipeline/train_state.py)")
     args = p.parse_args()
     cfg = params(args)
     from grpo_pipeline import distributed
@@ -37,8 +35,7 @@ def main() -> None:
 
     try:
         update.run(cfg.update, policy=args.policy, reference=args.reference, rollouts=args.rollouts,
-                   advantages=args.advantages, out=args.out, metrics_path=args.metrics, steps_path=args.steps,
-                   state_dir=args.optimizer_state)
+                   advantages=args.advantages, out=args.out, metrics_path=args.metrics, steps_path=args.steps)
     except NonFiniteError as e:
         sys.exit(f"error: {e}")
 

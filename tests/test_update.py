@@ -218,23 +218,23 @@ def test_config_and_launcher_errors():
 UPD = {"lr": 1e-3, "beta": 0.1, "mu": 2, "minibatch_size": 6, "micro_batch_size": 2}
 
 
-def stage_run(cfg: UpdateConfig, ckpts, data, out: Path, *, policy=None, state=None):
+def stage_run(cfg: UpdateConfig, ckpts, data, out: Path, *, policy=None):
     return stage.run(cfg, policy=policy or ckpts["policy"], reference=ckpts["reference"], rollouts=data[0],
                      advantages=data[1], out=str(out), metrics_path=str(out) + ".json",
-                     steps_path=str(out) + ".steps.json", state_dir=state)
+                     steps_path=str(out) + ".steps.json")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_two_gloo_processes_match_one_process(tmp_path, ckpts, strategy):
     data = write_stage_inputs(tmp_path, rand_rollouts(11, seed=7, groups=True))  # ragged shards, a dummy row
-    single = stage_run(UpdateConfig(**UPD), ckpts, data, tmp_path / "single", state=str(tmp_path / "s1"))
+    single = stage_run(UpdateConfig(**UPD), ckpts, data, tmp_path / "single")
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"update": {**UPD, "distributed": {"strategy": strategy, "nproc_per_node": 2}}}))
     out = tmp_path / "multi"
     r = subprocess.run([sys.executable, str(ROOT / "stages/update.py"), "--params", str(params), "--policy",
                         ckpts["policy"], "--reference", ckpts["reference"], "--rollouts", data[0], "--advantages",
-                        data[1], "--out", str(out), "--metrics", f"{out}.json", "--steps", f"{out}.steps.json",
-                        "--optimizer-state", str(tmp_path / "s2")], check=False, capture_output=True, text=True,
+                        data[1], "--out", str(out), "--metrics", f"{out}.json", "--steps", f"{out}.steps.json"],
+                       check=False, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     multi = json.loads(Path(f"{out}.json").read_text())
@@ -251,7 +251,8 @@ def test_two_gloo_processes_match_one_process(tmp_path, ckpts, strategy):
         for key in ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min",
                     "ratio_max", "entropy", "grad_norm", "tokens"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-    o1, o2 = (torch.load(tmp_path / s / train_state.STATE_FILE, weights_only=True) for s in ("s1", "s2"))
+    o1, o2 = (torch.load(tmp_path / s / train_state.STATE_DIR / train_state.STATE_FILE, weights_only=True)
+              for s in ("single", "multi"))
     assert o1["state"].keys() == o2["state"].keys()
     name = "lm.model.layers.0.mlp.up_proj.weight"
     torch.testing.assert_close(o2["state"][name]["exp_avg"], o1["state"][name]["exp_avg"], rtol=1e-3, atol=1e-7)
@@ -262,9 +263,8 @@ def test_resume_equals_two_updates_in_one_run(tmp_path, ckpts):
     rows_a, rows_b = rand_rollouts(10, seed=8, groups=True), rand_rollouts(9, seed=9, groups=True)
     da = write_stage_inputs(tmp_path / "a", rows_a)
     db = write_stage_inputs(tmp_path / "b", rows_b, iteration="it1")
-    state = str(tmp_path / "state")
-    m1 = stage_run(cfg, ckpts, da, tmp_path / "it1", state=state)
-    m2 = stage_run(cfg, ckpts, db, tmp_path / "it2", policy=str(tmp_path / "it1"), state=state)
+    m1 = stage_run(cfg, ckpts, da, tmp_path / "it1")
+    m2 = stage_run(cfg, ckpts, db, tmp_path / "it2", policy=str(tmp_path / "it1"))
     assert (m1["optimizer_state"], m2["optimizer_state"]) == ("fresh", "resumed")
     assert json.loads((tmp_path / "it2" / "grpo_pipeline.json").read_text())["train_state"]["global_step"] == 8
     steps = json.loads(Path(f"{tmp_path / 'it2'}.steps.json").read_text())
@@ -280,13 +280,21 @@ def test_resume_equals_two_updates_in_one_run(tmp_path, ckpts):
     for k, v in model.state_dict().items():
         torch.testing.assert_close(w2[k], v, rtol=0, atol=1e-7, msg=k)
 
-    # fresh moments give another result, and a state of another checkpoint is not used
+    # the state travels inside the checkpoint: re-running update@it1 after it2 exists resumes the same moments
+    m2b = stage_run(cfg, ckpts, db, tmp_path / "it2b", policy=str(tmp_path / "it1"))
+    assert m2b["optimizer_state"] == "resumed"
+    assert all(torch.equal(w2[k], v) for k, v in weights(tmp_path / "it2b").items())
+
+    # fresh moments give another result and store none
     m3 = stage_run(cfg.model_copy(update={"optimizer_state": "fresh"}), ckpts, db, tmp_path / "it2f",
-                   policy=str(tmp_path / "it1"), state=state)
-    assert m3["optimizer_state"] == "fresh"
+                   policy=str(tmp_path / "it1"))
+    assert m3["optimizer_state"] == "fresh" and not (tmp_path / "it2f" / train_state.STATE_DIR).exists()
     assert any(not torch.equal(w2[k], v) for k, v in weights(tmp_path / "it2f").items())
-    _, reason = train_state.load_state(state, tmp_path / "it1")       # the state now belongs to it2
-    assert reason.startswith("fresh") and "it2" in reason
+
+    # moments paired with other weights are an error naming the file, never a silent fresh start
+    (tmp_path / "it1" / "model.safetensors").write_bytes((tmp_path / "it2" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="it1/optimizer/manifest.json: the optimizer state belongs to other"):
+        train_state.load_state(tmp_path / "it1")
 
 
 @pytest.mark.parametrize(("adv", "match"), [(float("nan"), "non-finite loss"), (1e30, "non-finite gradient")])
@@ -294,5 +302,5 @@ def test_non_finite_stops_and_writes_nothing(tmp_path, ckpts, adv, match):
     data = write_stage_inputs(tmp_path, rand_rollouts(6, seed=10, adv=adv))
     out = tmp_path / "next"
     with pytest.raises(NonFiniteError, match=match):
-        stage_run(UpdateConfig(**UPD), ckpts, data, out, state=str(tmp_path / "state"))
+        stage_run(UpdateConfig(**UPD), ckpts, data, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adv.parquet", "rollouts"]

@@ -2,13 +2,14 @@
 
 Order, to keep peak memory low: the reference's log-probs are computed first and the reference is
 freed before the policy and its optimizer exist.  Then the policy trains (see
-``grpo_pipeline.update``), and rank 0 writes, in this order and each atomically: the next
-checkpoint, the carried AdamW state (``grpo_pipeline.train_state``), the metrics.  A failure
-before the end (a non-finite loss or gradient included) leaves all of them as they were.
+``grpo_pipeline.update``), and rank 0 writes, each atomically: the next checkpoint with the carried
+AdamW state inside it (``grpo_pipeline.train_state``), then the metrics.  A failure before the end
+(a non-finite loss or gradient included) leaves all of them as they were.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 
@@ -140,8 +141,8 @@ def _nothing_to_learn(policy: str, tokenizer, out: str, prev: dict, left_out: di
 
 
 def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str, advantages: str, out: str,
-        metrics_path: str | None, steps_path: str | None, state_dir: str | None = None) -> dict:
-    """Train on the iteration's rollouts and write ``out`` (and the carried state, the metrics) from rank 0."""
+        metrics_path: str | None, steps_path: str | None) -> dict:
+    """Train on the iteration's rollouts and write ``out`` (with the carried state) and the metrics from rank 0."""
     t_start = time.perf_counter()
     ctx = distributed.init(cfg.distributed.strategy)
     try:
@@ -160,11 +161,10 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
         model = load_model(policy, dtype="float32", device=distributed.load_device(ctx))
         module = distributed.wrap(model, ctx, cfg)
         optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad], cfg)
-        carry = cfg.optimizer_state == "carry" and state_dir is not None
-        state, reason = None, ("fresh: update.optimizer_state is 'fresh'" if cfg.optimizer_state == "fresh"
-                               else "fresh: no optimizer state directory given")
+        carry = cfg.optimizer_state == "carry"
+        state, reason = None, "fresh: update.optimizer_state is 'fresh'"
         if carry:
-            state, reason = train_state.load_state(state_dir, policy) if ctx.is_main else (None, "")
+            state, reason = train_state.load_state(policy) if ctx.is_main else (None, "")
             reason = ctx.broadcast_object(reason)
         if reason == "resumed":
             distributed.load_optimizer_state(module, optimizer, state, ctx)
@@ -184,9 +184,9 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                 "global_step": global_step, "iteration": iteration, "optimizer_state": reason.split(":")[0],
                 "strategy": cfg.distributed.strategy, "world_size": ctx.world_size}}
             saver = model if cfg.distributed.strategy != "fsdp" else _FullState(model, full)
-            save_checkpoint(saver, tokenizer, out, metadata=meta)
-            if carry:
-                train_state.save_state(state_dir, opt_state, checkpoint=out, global_step=global_step)
+            extra = (functools.partial(train_state.write_state, state=opt_state, checkpoint=out,
+                                       global_step=global_step) if carry else None)
+            save_checkpoint(saver, tokenizer, out, metadata=meta, extra=extra)
         del full, opt_state
         metrics = iteration_metrics(history, wall_s=time.perf_counter() - t_start)
         metrics.update(sequences=len(rows), **left_out, world_size=ctx.world_size,
