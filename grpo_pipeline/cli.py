@@ -1,7 +1,7 @@
 """``grpo-pipeline``: the project's command line (the stages themselves run through ``dvc repro``).
 
     grpo-pipeline iterations N [--eval-every K] [--eval-prompts P]  regenerate the iterations table in params.yaml
-    grpo-pipeline check [params.yaml]             validate params.yaml
+    grpo-pipeline check [params.yaml]             validate params.yaml (as the check stage and DVC read it)
     grpo-pipeline inspect [--iteration it0] ...   rollouts with rewards and advantages, per group
 """
 
@@ -21,9 +21,9 @@ def _iterations(args: argparse.Namespace) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from grpo_pipeline.config import load_params
+    from grpo_pipeline.params_check import check
 
-    p = load_params(args.params)
+    p = check(args.params, args.dvc_yaml)
     print(f"{args.params}: ok ({len(p.iterations)} iterations)")
 
 
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     it.set_defaults(fn=_iterations)
     ck = sub.add_parser("check", help="validate params.yaml")
     ck.add_argument("params", nargs="?", default="params.yaml")
+    ck.add_argument("--dvc-yaml", default=None, help="the dvc.yaml that reads it (default: beside params.yaml)")
     ck.set_defaults(fn=_check)
     ins = sub.add_parser("inspect", help="print rollouts per group with rewards and advantages")
     ins.add_argument("--data", default="data", help="the pipeline's data dir (default: data)")
