@@ -53,31 +53,34 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary directory; on success it replaces the directory ``target``."""
+    """Yield an empty temporary directory; on success it replaces the directory ``target``.
+
+    The temporary directory is ``<parent>/.tmp-<name>.XXXX/<name>``, one level deeper than
+    ``target``, and so is the old ``target`` during the swap: a glob over the outputs' files
+    (``data/rollouts/*/*.parquet``) never matches half-written or outgoing ones.
+    """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     _clean_stale(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}.", dir=target.parent))
+    holder = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}.", dir=target.parent))
+    tmp = holder / target.name
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; outputs get the usual permissions
+    tmp.mkdir(mode=0o777 & ~umask)
+    os.chmod(tmp, 0o777 & ~umask)  # outputs get the usual permissions, whatever mkdir's umask did
     try:
         yield tmp
         for p in tmp.rglob("*"):
             if p.is_file():
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
-        old = None
-        if target.exists() or target.is_symlink():
-            old = target.parent / f"{TMP_PREFIX}{target.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(target, old) if target.is_dir() else target.unlink()
+        if target.is_dir() and not target.is_symlink():
+            os.replace(target, holder / "old")
+        elif target.exists() or target.is_symlink():
+            target.unlink()
         os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
 
 
 def write_json(path: str | Path, obj: Any) -> None:

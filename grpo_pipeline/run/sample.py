@@ -196,8 +196,20 @@ def _device_env(cfg: SamplingConfig, dp: int) -> list[dict]:
     return [{"cores": [c for i, c in enumerate(cores) if i * dp // len(cores) == r]} for r in range(dp)]
 
 
-def _worker(cfg_dict: dict, policy: str, shard: Shard, spec: SamplingSpec, device: dict, stats_path: str) -> None:
-    """Body of one spawned worker: pin devices, start an engine, write the shard and its stats."""
+def die_with_parent(parent: int) -> None:
+    """PR_SET_PDEATHSIG: the kernel SIGKILLs this process when its parent dies, even by SIGKILL."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the prctl
+        os._exit(1)
+
+
+def _worker(cfg_dict: dict, policy: str, shard: Shard, spec: SamplingSpec, device: dict, stats_path: str,
+            parent: int) -> None:
+    """Body of one spawned worker: die with the stage, pin devices, start an engine, write the shard and its stats."""
+    die_with_parent(parent)
     if "gpus" in device:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(device["gpus"])
     else:
@@ -226,7 +238,8 @@ def run_workers(cfg: SamplingConfig, policy: str, shards: list[Shard], spec: Sam
     try:
         for shard, device in zip(shards, devices):
             stats_path = shard.path.with_suffix(".stats.json")
-            p = ctx.Process(target=_worker, args=(cfg.model_dump(), policy, shard, spec, device, str(stats_path)),
+            p = ctx.Process(target=_worker, args=(cfg.model_dump(), policy, shard, spec, device, str(stats_path),
+                                                  os.getpid()),
                             name=f"sample-worker-{shard.rank}")
             p.start()
             procs.append((p, shard, stats_path))

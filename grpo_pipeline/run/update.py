@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import time
 
 import polars as pl
@@ -140,10 +141,25 @@ def _nothing_to_learn(policy: str, tokenizer, out: str, prev: dict, left_out: di
     return metrics
 
 
+def deterministic() -> None:
+    """Same machine, same inputs, same bytes: deterministic kernels and a fixed reduction order.
+
+    On CPU torch's kernels are deterministic for a fixed intra-op thread count (the default: the
+    physical cores; ``OMP_NUM_THREADS`` changes it, and with it the last bits).  On CUDA cuBLAS
+    needs a fixed workspace and the atomics-based kernels (the embedding's backward, ...) are
+    swapped for deterministic ones; an op that has none warns, naming itself, instead of failing.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
 def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str, advantages: str, out: str,
         metrics_path: str | None, steps_path: str | None) -> dict:
     """Train on the iteration's rollouts and write ``out`` (with the carried state) and the metrics from rank 0."""
     t_start = time.perf_counter()
+    deterministic()
     ctx = distributed.init(cfg.distributed.strategy)
     try:
         cfg = cfg.model_copy(update={"dtype": resolve_dtype(cfg.dtype, what="update", quiet=not ctx.is_main)})
