@@ -173,6 +173,8 @@ class CustomReward(Section):
     name: str = Field(..., pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Column suffix: reward_<name>.")
     function: str = Field(..., pattern=r"^[\w.]+:[\w]+$", description="`module:function` called on batches.")
     weight: float = 1.0
+    timeout_s: float = Field(300.0, gt=0, description="Time limit of one call (a batch, or one row in the per-row "
+                             "fallback); an overrun fails the score stage, naming the reward.")
 
 
 class TestsRewardConfig(Section):

@@ -341,12 +341,34 @@ def _as_text(value: Any) -> str | None:
     return None if value is None else (str(value).strip() or None)
 
 
+def _read_parquet_records(path: Path) -> list[dict[str, Any]]:
+    """A user Parquet file's rows; a file that is no Parquet (a renamed JSONL, ...) is one error naming it."""
+    try:
+        return pl.read_parquet(path).to_dicts()
+    except (pl.exceptions.PolarsError, OSError) as e:
+        head = path.read_bytes()[:4] if path.is_file() else b""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = (f"{path}: not a readable Parquet file (starts with {head!r}, Parquet starts with b'PAR1'): {first}. "
+               "Hint: is it JSONL with a .parquet name?")
+        raise ValueError(msg) from None
+
+
 def _read_records(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
-        return pl.read_parquet(path).to_dicts()
+        return _read_parquet_records(path)
     records = []
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    offset = 0
+    with path.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                msg = (f"{path}: line {line_no} (byte offset {start + e.start}) is not UTF-8 ({e.reason}). "
+                       "Hint: re-encode the file as UTF-8, or is it a Parquet file with a .jsonl name?")
+                raise ValueError(msg) from None
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")   # a UTF-8 byte-order mark
             if not line.strip():
                 continue
             try:

@@ -18,11 +18,14 @@ from grpo_pipeline.policy import collate, completion_logprobs
 from grpo_pipeline.template import demonstration, render_prompt, task_of
 
 
-def build_demonstrations(problems: pl.DataFrame, tokenizer, *, max_length: int) -> list[tuple[list[int], list[int]]]:
+def build_demonstrations(problems: pl.DataFrame, tokenizer, *, max_length: int,
+                         source: str = "prompts") -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) per problem; the completion ends with the EOS token.
 
     Each row gets its task's instruction (coding when it has ``tests``, the one sampling uses);
-    rows without a reference answer (user coding tasks without a solution) are skipped.
+    rows without a reference answer (user coding tasks without a solution) are skipped.  No
+    sequence is longer than ``max_length``: the completion is cut, and a prompt that leaves no room
+    for one completion token is an error naming the row and its length.
     """
     problems = problems.filter(pl.col("answer").is_not_null() & (pl.col("answer").str.strip_chars() != ""))
     tests = problems["tests"].to_list() if "tests" in problems.columns else [None] * problems.height
@@ -32,9 +35,12 @@ def build_demonstrations(problems: pl.DataFrame, tokenizer, *, max_length: int) 
     p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     c_ids = tokenizer(targets, add_special_tokens=False)["input_ids"]
     demos = []
-    for p, c in zip(p_ids, c_ids):
-        c = c[: max(1, max_length - len(p))]
-        demos.append((list(p), list(c)))
+    for pid, p, c in zip(problems["prompt_id"].to_list(), p_ids, c_ids):
+        if len(p) >= max_length:
+            msg = (f"{source}: prompt {pid!r} has {len(p)} tokens, no room left within sft.max_length={max_length}. "
+                   "Hint: raise sft.max_length or shorten the question")
+            raise ValueError(msg)
+        demos.append((list(p), list(c[: max_length - len(p)])))
     return demos
 
 

@@ -45,7 +45,11 @@ def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_model) -> Path:
-    repo = tmp_path_factory.mktemp("e2e") / "repo"
+    return make_repo(tmp_path_factory.mktemp("e2e") / "repo", tiny_model)
+
+
+def make_repo(repo: Path, tiny_model: str) -> Path:
+    """A git + DVC repo of the real pipeline (2 iterations, tiny model), after `dvc repro`."""
     repo.mkdir()
     for name in ("dvc.yaml", ".gitignore", "stages", "grpo_pipeline"):  # the real .gitignore
         src = ROOT / name

@@ -134,3 +134,159 @@ def test_killed_update_then_rerun_equals_uninterrupted(update_inputs, uninterrup
     assert r.returncode == 0, r.stderr[-3000:]
     assert tree_digest(d / "models/it2") == tree_digest(ref / "models/it2")
     assert not [p.name for p in (d / "models").iterdir() if p.name.startswith(".tmp-")]
+
+
+# --------------------------------------------------------------------------- sample: workers, temporaries
+def test_killed_data_parallel_sample_leaves_no_worker_and_nothing_globbed(tiny_model, tmp_path):
+    """Killed mid-run, the stage's spawned workers die with it (PR_SET_PDEATHSIG) and their shards,
+    in the temporary directory, are not matched by the README's glob ``data/rollouts/*/*.parquet``."""
+    from tests.test_sampling import problems
+
+    schemas.write_table(problems(8), tmp_path / "train.parquet", "prompts")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"sampling": {
+        "backend": "hf", "prompts_per_iteration": 8, "group_size": 2, "max_new_tokens": 600, "stop": [],
+        "max_model_len": 1024, "data_parallel_size": 2, "batch_prompts": 1}}))
+    tag = f"sample-kill-{os.getpid()}"
+    out = tmp_path / "data" / "rollouts" / "it0"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "stages/sample.py"), "--iteration", "it0", "--index", "0",
+                             "--policy", tiny_model, "--prompts", "train.parquet", "--out", str(out)],
+                            cwd=tmp_path, env={**os.environ, "GRPO_FAULT_TAG": tag, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(tagged_processes(tag)) < 3:   # the stage and its 2 workers
+        assert proc.poll() is None, "the sample stage ended early"
+        time.sleep(0.5)
+    workers = [p for p in tagged_processes(tag) if p.pid != proc.pid]
+    assert len(workers) >= 2, "the workers did not start"
+    rollouts_dir = tmp_path / "data" / "rollouts"
+    while time.monotonic() < deadline and not [p for p in rollouts_dir.rglob("*") if p.is_file()]:
+        assert proc.poll() is None, "the sample stage ended before it was killed"
+        time.sleep(0.5)                                               # a worker is writing its shard
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, f"workers survived the stage: {[p.pid for p in alive]}"
+    assert proc.returncode == -9 and not out.exists()
+    time.sleep(2)
+    globbed = [f for d in os.listdir(rollouts_dir) if (rollouts_dir / d).is_dir()
+               for f in os.listdir(rollouts_dir / d) if f.endswith(".parquet")]
+    assert globbed == []                          # what the killed run left, no documented glob reads
+
+
+# --------------------------------------------------------------------------- bad input: one line, naming file and row
+def stage_error(script: str, args: list[str], cwd: Path) -> str:
+    r = run_script(script, args, cwd=cwd)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert "Traceback" not in r.stderr and lines[-1].startswith("error: "), r.stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.mark.parametrize(("name", "content", "expect"), [
+    ("latin1.jsonl", '{"question": "ok", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n'.encode("latin-1"),
+     r"latin1\.jsonl: line 2 \(byte offset 51\) is not UTF-8"),          # the byte 0xe9 of 'café'
+    ("parquet.jsonl", b"PAR1\x15\x04\x15\x80\x01\x15\x80\xff\x00", r"parquet\.jsonl: line 1 \(byte offset \d+\) is not UTF-8"),
+    ("jsonl.parquet", b'{"question": "q", "answer": "1"}\n', r"jsonl\.parquet: not a readable Parquet file"),
+])
+def test_bad_user_files_fail_prepare_in_one_line(tmp_path, name, content, expect):
+    import re
+
+    (tmp_path / name).write_bytes(content)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"data": {"source": "file", "path": name, "n_eval": 1}}))
+    line = stage_error("prepare.py", ["--train-out", "t.parquet", "--eval-out", "e.parquet"], tmp_path)
+    assert re.search(expect, line), line
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_sft_prompt_longer_than_max_length_is_named(tiny_model, tmp_path):
+    from grpo_pipeline.checkpoint import load_tokenizer
+    from tests.test_sampling import problems
+    from grpo_pipeline.sft import build_demonstrations
+
+    tok = load_tokenizer(tiny_model)
+    df = problems(4)
+    m = max(len(p) for p, _ in build_demonstrations(df, tok, max_length=4096)) + 3
+    demos = build_demonstrations(df, tok, max_length=m)                      # completions cut to fit
+    assert all(len(p) + len(c) <= m for p, c in demos) and any(len(p) + len(c) == m for p, c in demos)
+    long = df.with_columns(question=pl_when_row(df, 2, "seven " * 400))
+    with pytest.raises(ValueError, match=rf"train\.parquet: prompt {long['prompt_id'][2]!r} has \d+ tokens, no room"):
+        build_demonstrations(long, tok, max_length=256, source="train.parquet")
+
+
+def pl_when_row(df, i: int, text: str):
+    import polars as pl
+
+    return pl.when(pl.int_range(pl.len()) == i).then(pl.lit(text)).otherwise(pl.col("question"))
+
+
+def test_sample_checks_every_prompt_not_only_this_iterations(tiny_model, tmp_path):
+    """A too-long prompt fails sample@it0 (naming it) even when a later iteration would draw it."""
+    from grpo_pipeline.config import SamplingConfig
+    from tests.test_sampling import problems
+    from grpo_pipeline.run import sample
+
+    df = problems(8)
+    df = df.with_columns(question=pl_when_row(df, 7, "seven " * 600))
+    schemas.write_table(df, tmp_path / "train.parquet", "prompts")
+    cfg = SamplingConfig(backend="hf", prompts_per_iteration=2, group_size=2, max_new_tokens=8, max_model_len=512)
+    with pytest.raises(ValueError, match=rf"prompt {df['prompt_id'][7]!r} has \d+ tokens, more than the 504"):
+        sample.run(cfg, iteration="it0", index=0, policy=tiny_model, prompts_path=str(tmp_path / "train.parquet"),
+                   out=str(tmp_path / "it0"), metrics_path=None)
+    assert not (tmp_path / "it0").exists()
+
+
+# --------------------------------------------------------------------------- custom rewards
+def _hang(completions, answers, **_):
+    time.sleep(3600)
+
+
+def _batch_fails(completions, answers, **_):
+    if len(completions) > 1:
+        raise TypeError("expects one completion")
+    return [1.0]
+
+
+def _always_none(completions, answers, **_):
+    return [None] * len(completions)
+
+
+@pytest.fixture
+def user_rewards(monkeypatch):
+    import types
+
+    mod = types.ModuleType("fault_rewards")
+    for f in (_hang, _batch_fails, _always_none):
+        setattr(mod, f.__name__.lstrip("_"), f)
+    monkeypatch.setitem(sys.modules, "fault_rewards", mod)
+
+
+def score_with(tmp_path, fn: str, **custom):
+    from grpo_pipeline.config import CustomReward, RewardConfig
+    from grpo_pipeline.run import score
+    from tests.test_stage_bodies import rollouts
+
+    schemas.write_table(rollouts(n_prompts=2, g=2), tmp_path / "ro/part-00000.parquet", "rollouts")
+    cfg = RewardConfig(custom=[CustomReward(name="mine", function=f"fault_rewards:{fn}", **custom)])
+    return score.run(cfg, rollouts=str(tmp_path / "ro"), out=str(tmp_path / "scores.parquet"), metrics_path=None)
+
+
+def test_hanging_custom_reward_times_out_naming_it(user_rewards, tmp_path):
+    from grpo_pipeline.rewards.custom import RewardTimeout
+
+    t0 = time.monotonic()
+    with pytest.raises(RewardTimeout, match=r"reward 'mine', called on a batch of 4 completions: no result within 1 s"):
+        score_with(tmp_path, "hang", timeout_s=1.0)
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "scores.parquet").exists()
+
+
+def test_custom_reward_batch_failure_is_logged(user_rewards, tmp_path, capsys):
+    metrics = score_with(tmp_path, "batch_fails")
+    assert "reward 'mine': the call on a batch of 4 completions failed (mine: TypeError: expects one" in \
+        capsys.readouterr().err
+    assert metrics["mine/nulls"] == 0
+
+
+def test_all_null_custom_reward_fails_the_score_stage(user_rewards, tmp_path):
+    with pytest.raises(ValueError, match=r"custom reward 'mine' \(fault_rewards:always_none\) returned no value"):
+        score_with(tmp_path, "always_none")
+    assert not (tmp_path / "scores.parquet").exists()

@@ -166,7 +166,7 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
         errors.append(errs)
         metrics[f"rewards/{name}/errors"] = _check_error_share(name, errs, df, cfg)
     for c, fn in customs:
-        values, errs = run_custom_reward(fn, c.name, df)
+        values, errs = run_custom_reward(fn, c.name, df, c.timeout_s)
         components[c.name] = (values, c.weight)
         errors.append(errs)
         metrics[f"rewards/{c.name}/errors"] = _check_error_share(c.name, errs, df, cfg)

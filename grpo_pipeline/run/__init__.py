@@ -6,6 +6,7 @@ same name; every ``run`` ends with :func:`summary`, the stage's one line of metr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,3 +23,19 @@ def summary(stage: str, metrics: dict[str, Any], *, path: str | Path | None = No
             continue
         flat.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
     print(f"[{stage}] " + " ".join(flat), flush=True)
+
+
+def deterministic() -> None:
+    """Same machine, same inputs, same bytes: deterministic kernels and a fixed reduction order.
+
+    On CPU torch's kernels are deterministic for a fixed intra-op thread count (the default: the
+    physical cores; ``OMP_NUM_THREADS`` changes it, and with it the last bits).  On CUDA cuBLAS
+    needs a fixed workspace and the atomics-based kernels (the embedding's backward, ...) are
+    swapped for deterministic ones; an op that has none warns, naming itself, instead of failing.
+    """
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True

@@ -121,14 +121,17 @@ def run(cfg: SamplingConfig, *, iteration: str, index: int, policy: str, prompts
     if prompts.height == 0:
         msg = f"{prompts_path}: the prompts file has no rows. Hint: rerun the prepare stage"
         raise ValueError(msg)
-    prompts = select_prompts(prompts, index=index, per_iteration=cfg.prompts_per_iteration + cfg.spare_prompts,
-                             seed=cfg.seed)
     tokenizer = getattr(backend, "tokenizer", None)
     if tokenizer is None:
         tokenizer = load_tokenizer(policy)  # a missing tokenizer fails here, before any engine starts
+    budget = cfg.max_model_len - cfg.max_new_tokens
+    # every row, not only this iteration's: a prompt too long fails the first iteration, naming it
+    build_requests(prompts, tokenizer, iteration=iteration, seed=cfg.seed, max_prompt_len=budget, source=prompts_path)
+    prompts = select_prompts(prompts, index=index, per_iteration=cfg.prompts_per_iteration + cfg.spare_prompts,
+                             seed=cfg.seed)
     spec = spec_from(cfg)
-    requests, texts = build_requests(prompts, tokenizer, iteration=iteration, seed=cfg.seed,
-                                     max_prompt_len=cfg.max_model_len - cfg.max_new_tokens, source=prompts_path)
+    requests, texts = build_requests(prompts, tokenizer, iteration=iteration, seed=cfg.seed, max_prompt_len=budget,
+                                     source=prompts_path)
     dp = min(cfg.data_parallel_size, len(requests))
     if backend is not None and dp > 1:
         msg = "run(backend=...) serves one worker; sampling.data_parallel_size must be 1 with it"

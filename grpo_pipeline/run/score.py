@@ -26,13 +26,29 @@ def run(cfg: RewardConfig, *, rollouts: str, out: str, metrics_path: str | None,
     scored = _score(first, cfg, tests, prompts)
     extra = [pa.field(c, pa.float64()) for c in scored.columns if c.startswith("reward_") and c != "reward_error"]
     extra += [f for f in code.EXTRA_FIELDS if f.name in scored.columns]
+    customs = [f"reward_{c.name}" for c in cfg.custom]
+    valued = {c: scored[c].count() for c in customs}          # non-null values per custom reward
+    n = scored.height
     with schemas.stream_writer(out, "scores", metadata=meta, extra_fields=extra) as write:
         write(scored)
         for batch in batches:
-            write(_score(batch, cfg, tests, prompts))
+            part = _score(batch, cfg, tests, prompts)
+            valued = {c: valued[c] + part[c].count() for c in customs}
+            n += part.height
+            write(part)
+        _require_values(valued, cfg, rollouts, n)            # inside the writer: no file on failure
     metrics = {**reward_metrics(out), **code.reason_counts(pl.scan_parquet(out))}
     summary(f"score@{first['iteration'][0]}", metrics, path=metrics_path)
     return metrics
+
+
+def _require_values(valued: dict[str, int], cfg: RewardConfig, rollouts: str, n: int) -> None:
+    """A custom reward that returned None for every completion is an error here, naming it (not at the update)."""
+    for c in cfg.custom:
+        if valued[f"reward_{c.name}"] == 0:
+            msg = (f"{rollouts}: custom reward {c.name!r} ({c.function}) returned no value (None) for any of the {n} "
+                   "completions, so every total reward is null. Hint: check the function on one row")
+            raise ValueError(msg)
 
 
 def _tests_table(prompts: str | None) -> pl.DataFrame | None:

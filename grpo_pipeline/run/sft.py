@@ -9,12 +9,13 @@ import torch
 from grpo_pipeline import schemas
 from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint_metadata, save_checkpoint
 from grpo_pipeline.config import SFTConfig
-from grpo_pipeline.run import summary
+from grpo_pipeline.run import deterministic, summary
 from grpo_pipeline.sft import build_demonstrations, train_sft
 
 
 def run(cfg: SFTConfig, *, base: str, prompts: str, out: str, metrics_path: str | None) -> dict:
     t0 = time.perf_counter()
+    deterministic()
     torch.manual_seed(cfg.seed)
     problems = schemas.read_table(prompts, "prompts")
     if cfg.max_examples:
@@ -23,7 +24,7 @@ def run(cfg: SFTConfig, *, base: str, prompts: str, out: str, metrics_path: str 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(base, dtype="float32", device=device)
-    demos = build_demonstrations(problems, tokenizer, max_length=cfg.max_length)
+    demos = build_demonstrations(problems, tokenizer, max_length=cfg.max_length, source=prompts)
     if not demos:
         raise ValueError(f"{prompts}: no row has a reference `answer` to build SFT demonstrations from "
                          f"({problems.height} rows read). Hint: give the tasks reference solutions")

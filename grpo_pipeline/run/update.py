@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import os
 import time
 
 import polars as pl
@@ -23,7 +22,7 @@ from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint
 from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.io import write_json
-from grpo_pipeline.run import summary
+from grpo_pipeline.run import deterministic, summary
 from grpo_pipeline.update import Rollout, make_optimizer, rollout_logprobs, train
 
 ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids", "finish_reason"]
@@ -139,20 +138,6 @@ def _nothing_to_learn(policy: str, tokenizer, out: str, prev: dict, left_out: di
         summary(f"update@{iteration}", metrics, path=metrics_path)
     ctx.barrier()
     return metrics
-
-
-def deterministic() -> None:
-    """Same machine, same inputs, same bytes: deterministic kernels and a fixed reduction order.
-
-    On CPU torch's kernels are deterministic for a fixed intra-op thread count (the default: the
-    physical cores; ``OMP_NUM_THREADS`` changes it, and with it the last bits).  On CUDA cuBLAS
-    needs a fixed workspace and the atomics-based kernels (the embedding's backward, ...) are
-    swapped for deterministic ones; an op that has none warns, naming itself, instead of failing.
-    """
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
 
 
 def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str, advantages: str, out: str,
