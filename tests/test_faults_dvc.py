@@ -102,7 +102,8 @@ def test_kill_then_repro_equals_uninterrupted(pipeline, stage, point):
     assert stray_parquet(repo) == []
     r = dvc_cmd(repo, "repro", "--no-run-cache")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert running_stages(r.stdout) == {stage}, "the rerun changed an output, so later stages ran again"
+    # the stage reruns (or DVC checks its cached outputs out again); a later stage reruns only if an output changed
+    assert running_stages(r.stdout) <= {stage}, "the rerun changed an output, so later stages ran again"
     assert out_hashes(repo) == reference
     assert "up to date" in dvc_cmd(repo, "status").stdout
 
