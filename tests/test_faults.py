@@ -290,3 +290,47 @@ def test_all_null_custom_reward_fails_the_score_stage(user_rewards, tmp_path):
     with pytest.raises(ValueError, match=r"custom reward 'mine' \(fault_rewards:always_none\) returned no value"):
         score_with(tmp_path, "always_none")
     assert not (tmp_path / "scores.parquet").exists()
+
+
+# --------------------------------------------------------------------------- params: checked before anything runs
+def dvc_repo_with(tmp_path: Path, params: dict) -> Path:
+    """The real dvc.yaml and stage code with ``params`` as params.yaml."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("dvc.yaml", "stages", "grpo_pipeline"):
+        src = ROOT / name
+        shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir() else \
+            shutil.copy(src, repo / name)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return repo
+
+
+def real_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda p: p, None),
+    (lambda p: {**p, "sampling_extra": {"x": 1}}, "unknown key 'sampling_extra'"),
+    (lambda p: {k: v for k, v in p.items() if k != "advantage"}, "missing section 'advantage'"),
+    (lambda p: {k: v for k, v in p.items() if k not in ("iterations", "evaluations")}, "missing section 'evaluations'"),
+    (lambda p: {**p, "update": {**p["update"], "lr": "fast"}}, "update.lr"),
+])
+def test_check_agrees_with_dvc_and_the_stages(tmp_path, edit, message):
+    """`grpo-pipeline check` refuses what DVC refuses once it reaches a stage (a section dvc.yaml reads is
+    missing: the stages would use defaults, DVC does not) and what a stage refuses (unknown sections and keys,
+    bad values); the check stage runs the same function and writes its marker only for a valid file."""
+    repo = dvc_repo_with(tmp_path, edit(real_params()))
+    cli = subprocess.run([sys.executable, "-m", "grpo_pipeline", "check"], cwd=repo, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(repo)})
+    stage = subprocess.run([sys.executable, "stages/check.py", "--out", "data/checked_params.json"], cwd=repo,
+                           capture_output=True, text=True)
+    if message is None:
+        assert cli.returncode == 0 and stage.returncode == 0, cli.stderr + stage.stderr
+        assert (repo / "data/checked_params.json").read_text() == '{\n  "checked": "params.yaml"\n}\n'
+    else:
+        assert cli.returncode == 1 and message in cli.stderr, cli.stderr
+        assert stage.returncode == 1 and message in stage.stderr and "Traceback" not in stage.stderr
+        assert not (repo / "data/checked_params.json").exists()
