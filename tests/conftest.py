@@ -30,3 +30,15 @@ def tiny_vllm(tiny_model):
                           kv_cache_gib=0.25, seed=0)
     yield backend
     backend.close()
+
+
+def install_module(monkeypatch, name: str, *functions):
+    """A module ``name`` importable for this test, holding ``functions`` (leading ``_`` dropped)."""
+    import sys
+    import types
+
+    mod = types.ModuleType(name)
+    for f in functions:
+        setattr(mod, f.__name__.lstrip("_"), f)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod

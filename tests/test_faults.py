@@ -252,12 +252,9 @@ def _always_none(completions, answers, **_):
 
 @pytest.fixture
 def user_rewards(monkeypatch):
-    import types
+    from tests.conftest import install_module
 
-    mod = types.ModuleType("fault_rewards")
-    for f in (_hang, _batch_fails, _always_none):
-        setattr(mod, f.__name__.lstrip("_"), f)
-    monkeypatch.setitem(sys.modules, "fault_rewards", mod)
+    install_module(monkeypatch, "fault_rewards", _hang, _batch_fails, _always_none)
 
 
 def score_with(tmp_path, fn: str, **custom):
