@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,22 @@ def write_state(checkpoint_dir: str | Path, state: dict, *, checkpoint: str | Pa
     d = Path(checkpoint_dir) / STATE_DIR
     d.mkdir()
     torch.save(state, d / STATE_FILE)
+    _write_manifest(checkpoint_dir, checkpoint=checkpoint, global_step=global_step)
+
+
+def carry_state(policy: str | Path, checkpoint_dir: str | Path, *, checkpoint: str | Path) -> None:
+    """Copy ``policy``'s optimizer state (if any) into ``checkpoint_dir``, which holds the same weights
+    (an update with nothing to train on): the next update resumes the moments as if this one were not there."""
+    meta = read_manifest(policy)
+    if meta is None:
+        return
+    (Path(checkpoint_dir) / STATE_DIR).mkdir()
+    shutil.copyfile(Path(policy) / STATE_DIR / STATE_FILE, Path(checkpoint_dir) / STATE_DIR / STATE_FILE)
+    _write_manifest(checkpoint_dir, checkpoint=checkpoint, global_step=meta["global_step"])
+
+
+def _write_manifest(checkpoint_dir: str | Path, *, checkpoint: str | Path, global_step: int) -> None:
     meta = {"format": FORMAT, "checkpoint": str(checkpoint), "global_step": global_step,
             "weights_sha256": weights_fingerprint(checkpoint_dir)}
-    (d / MANIFEST_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    path = Path(checkpoint_dir) / STATE_DIR / MANIFEST_FILE
+    path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -331,3 +331,25 @@ def test_check_agrees_with_dvc_and_the_stages(tmp_path, edit, message):
         assert cli.returncode == 1 and message in cli.stderr, cli.stderr
         assert stage.returncode == 1 and message in stage.stderr and "Traceback" not in stage.stderr
         assert not (repo / "data/checked_params.json").exists()
+
+
+def test_update_with_nothing_to_learn_carries_the_adamw_state(update_inputs, uninterrupted, tmp_path):
+    """All rows masked: the next checkpoint is the policy, and its AdamW state goes along with it."""
+    import polars as pl
+
+    d = copy_tree(uninterrupted, tmp_path / "d")
+    adv = pl.read_parquet(d / "data/it1/adv.parquet").with_columns(adv_mask=pl.lit(False))
+    schemas.write_table(adv, d / "data/it1/adv.parquet", "advantages")
+    r = run_script("update.py", update_args("it1", "models/it1", "models/it2"), cwd=d)
+    assert r.returncode == 0, r.stderr[-3000:]
+    state, reason = train_state.load_state(d / "models/it2")
+    assert reason == "resumed"
+    it1 = torch_load(d / "models/it1" / train_state.STATE_DIR / train_state.STATE_FILE)
+    assert state["state"].keys() == it1["state"].keys()
+    assert all((state["state"][k]["exp_avg"] == it1["state"][k]["exp_avg"]).all() for k in it1["state"])
+
+
+def torch_load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -124,7 +124,8 @@ def _nothing_to_learn(policy: str, tokenizer, out: str, prev: dict, left_out: di
                       ctx: distributed.DistContext, metrics_path: str | None, steps_path: str | None,
                       t_start: float) -> dict:
     """Every row was left out (all groups' rewards equal under advantage.filter_groups, or all truncated
-    under overlong_filter): the next checkpoint is the policy itself, no optimizer step is taken."""
+    under overlong_filter): the next checkpoint is the policy itself, with its AdamW state, and no
+    optimizer step is taken."""
     metrics = {"steps": 0, "sequences": 0, **left_out, "world_size": ctx.world_size, "optimizer_state": "none",
                "wall_s": round(time.perf_counter() - t_start, 2)}
     if ctx.is_main:
@@ -132,7 +133,8 @@ def _nothing_to_learn(policy: str, tokenizer, out: str, prev: dict, left_out: di
               f"{out} is {policy} unchanged", flush=True)
         meta = {**prev, "parent": policy, "train_state": {**prev.get("train_state", {}), "iteration": iteration,
                                                          "skipped": "no rows to train on"}}
-        save_checkpoint(load_model(policy, dtype="float32"), tokenizer, out, metadata=meta)
+        save_checkpoint(load_model(policy, dtype="float32"), tokenizer, out, metadata=meta,
+                        extra=functools.partial(train_state.carry_state, policy, checkpoint=out))
         if steps_path:
             write_json(steps_path, [])
         summary(f"update@{iteration}", metrics, path=metrics_path)
