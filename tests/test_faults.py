@@ -164,7 +164,7 @@ def test_killed_data_parallel_sample_leaves_no_worker_and_nothing_globbed(tiny_m
         time.sleep(0.5)                                               # a worker is writing its shard
     proc.kill()
     proc.wait()
-    gone, alive = psutil.wait_procs(workers, timeout=15)
+    _, alive = psutil.wait_procs(workers, timeout=15)
     assert not alive, f"workers survived the stage: {[p.pid for p in alive]}"
     assert proc.returncode == -9 and not out.exists()
     time.sleep(2)
@@ -200,8 +200,8 @@ def test_bad_user_files_fail_prepare_in_one_line(tmp_path, name, content, expect
 
 def test_sft_prompt_longer_than_max_length_is_named(tiny_model, tmp_path):
     from grpo_pipeline.checkpoint import load_tokenizer
-    from tests.test_sampling import problems
     from grpo_pipeline.sft import build_demonstrations
+    from tests.test_sampling import problems
 
     tok = load_tokenizer(tiny_model)
     df = problems(4)
@@ -222,8 +222,8 @@ def pl_when_row(df, i: int, text: str):
 def test_sample_checks_every_prompt_not_only_this_iterations(tiny_model, tmp_path):
     """A too-long prompt fails sample@it0 (naming it) even when a later iteration would draw it."""
     from grpo_pipeline.config import SamplingConfig
-    from tests.test_sampling import problems
     from grpo_pipeline.run import sample
+    from tests.test_sampling import problems
 
     df = problems(8)
     df = df.with_columns(question=pl_when_row(df, 7, "seven " * 600))
@@ -321,9 +321,9 @@ def test_check_agrees_with_dvc_and_the_stages(tmp_path, edit, message):
     bad values); the check stage runs the same function and writes its marker only for a valid file."""
     repo = dvc_repo_with(tmp_path, edit(real_params()))
     cli = subprocess.run([sys.executable, "-m", "grpo_pipeline", "check"], cwd=repo, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(repo)})
+                         env={**os.environ, "PYTHONPATH": str(repo)}, check=False)
     stage = subprocess.run([sys.executable, "stages/check.py", "--out", "data/checked_params.json"], cwd=repo,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
     if message is None:
         assert cli.returncode == 0 and stage.returncode == 0, cli.stderr + stage.stderr
         assert (repo / "data/checked_params.json").read_text() == '{\n  "checked": "params.yaml"\n}\n'
