@@ -18,14 +18,15 @@ from grpo_pipeline.policy import collate, completion_logprobs
 from grpo_pipeline.template import demonstration, render_prompt, task_of
 
 
-def build_demonstrations(problems: pl.DataFrame, tokenizer, *, max_length: int,
-                         source: str = "prompts") -> list[tuple[list[int], list[int]]]:
+def build_demonstrations(problems: pl.DataFrame, tokenizer, *, max_length: int, source: str = "prompts",
+                         skipped: list[str] | None = None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) per problem; the completion ends with the EOS token.
 
     Each row gets its task's instruction (coding when it has ``tests``, the one sampling uses);
     rows without a reference answer (user coding tasks without a solution) are skipped.  No
     sequence is longer than ``max_length``: the completion is cut, and a prompt that leaves no room
-    for one completion token is an error naming the row and its length.
+    for one completion token is an error naming the row and its length, or, with ``skipped`` given,
+    left out and its ``prompt_id`` appended there.
     """
     problems = problems.filter(pl.col("answer").is_not_null() & (pl.col("answer").str.strip_chars() != ""))
     tests = problems["tests"].to_list() if "tests" in problems.columns else [None] * problems.height
@@ -36,6 +37,9 @@ def build_demonstrations(problems: pl.DataFrame, tokenizer, *, max_length: int,
     c_ids = tokenizer(targets, add_special_tokens=False)["input_ids"]
     demos = []
     for pid, p, c in zip(problems["prompt_id"].to_list(), p_ids, c_ids):
+        if len(p) >= max_length and skipped is not None:
+            skipped.append(pid)
+            continue
         if len(p) >= max_length:
             msg = (f"{source}: prompt {pid!r} has {len(p)} tokens, no room left within sft.max_length={max_length}. "
                    "Hint: raise sft.max_length or shorten the question")

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 PARAMS = {
     "data": {"task": "coding", "n_train": 8, "n_eval": 2, "seed": 0},
-    "sft": {"epochs": 2, "lr": 3.0e-3, "batch_size": 4, "max_examples": 8, "warmup_ratio": 0.0},
+    "sft": {"epochs": 2, "lr": 3.0e-3, "batch_size": 4, "max_examples": 8, "warmup_ratio": 0.0, "max_length": 512},
     "sampling": {"prompts_per_iteration": 2, "group_size": 4, "max_new_tokens": 24, "dtype": "float32", "spare_prompts": 0,
                  "max_model_len": 1024},
     "reward": {"weights": {"accuracy": 0.0, "format": 1.0, "tests": 1.0}, "format_partial_credit": True,

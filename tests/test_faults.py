@@ -211,6 +211,9 @@ def test_sft_prompt_longer_than_max_length_is_named(tiny_model, tmp_path):
     long = df.with_columns(question=pl_when_row(df, 2, "seven " * 400))
     with pytest.raises(ValueError, match=rf"train\.parquet: prompt {long['prompt_id'][2]!r} has \d+ tokens, no room"):
         build_demonstrations(long, tok, max_length=256, source="train.parquet")
+    skipped: list[str] = []                                              # the sft stage: skipped and counted
+    assert len(build_demonstrations(long, tok, max_length=256, skipped=skipped)) == 3
+    assert skipped == [long["prompt_id"][2]]
 
 
 def pl_when_row(df, i: int, text: str):

@@ -24,7 +24,15 @@ def run(cfg: SFTConfig, *, base: str, prompts: str, out: str, metrics_path: str 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(base, dtype="float32", device=device)
-    demos = build_demonstrations(problems, tokenizer, max_length=cfg.max_length, source=prompts)
+    too_long: list[str] = []
+    demos = build_demonstrations(problems, tokenizer, max_length=cfg.max_length, source=prompts, skipped=too_long)
+    if too_long:
+        print(f"[sft] warning: {len(too_long)} prompts of {prompts} leave no room within sft.max_length="
+              f"{cfg.max_length} and are not trained on (first: {too_long[0]!r}); metric skipped_too_long",
+              flush=True)
+    if not demos and too_long:
+        raise ValueError(f"{prompts}: every prompt with a reference answer is longer than sft.max_length="
+                         f"{cfg.max_length} (first: {too_long[0]!r}). Hint: raise sft.max_length")
     if not demos:
         raise ValueError(f"{prompts}: no row has a reference `answer` to build SFT demonstrations from "
                          f"({problems.height} rows read). Hint: give the tasks reference solutions")
@@ -34,6 +42,7 @@ def run(cfg: SFTConfig, *, base: str, prompts: str, out: str, metrics_path: str 
     k = max(1, len(history) // 5)
     metrics = {"loss_first": round(sum(h["loss"] for h in history[:k]) / k, 4),
                "loss_last": round(sum(h["loss"] for h in history[-k:]) / k, 4),
-               "steps": len(history), "examples": len(demos), "wall_s": round(time.perf_counter() - t0, 1)}
+               "steps": len(history), "examples": len(demos), "skipped_too_long": len(too_long),
+               "wall_s": round(time.perf_counter() - t0, 1)}
     summary("sft", metrics, path=metrics_path)
     return metrics
