@@ -29,10 +29,13 @@ import atexit
 import hashlib
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import polars as pl
+
+from grpo_pipeline.config import SamplingConfig
+from grpo_pipeline.template import render_prompt, task_of
 
 
 @dataclass(frozen=True)
@@ -375,40 +378,41 @@ def make_backend(name: str, model_dir: str, **kwargs: Any) -> Backend:
     return BACKENDS[name](model_dir, **kwargs)
 
 
-@dataclass
-class RolloutStats:
-    completions: int = 0
-    completion_tokens: int = 0
-    max_len: int = 0
-    truncated: int = 0
-    seconds: float = 0.0         # time inside backend.generate
-    extra: dict[str, float] = field(default_factory=dict)
+# --------------------------------------------------------------------------- requests and engines from the config
+def build_requests(prompts: pl.DataFrame, tokenizer, *, iteration: str, seed: int, max_prompt_len: int,
+                   source: str) -> tuple[list[Request], list[str]]:
+    """Tokenised chat prompts, one per row; a prompt too long for the context is an error, never dropped.
 
-    def add(self, samples: list[list[Sample]]) -> None:
-        for g in samples:
-            for s in g:
-                self.completions += 1
-                self.completion_tokens += len(s.token_ids)
-                self.max_len = max(self.max_len, len(s.token_ids))
-                self.truncated += s.finish_reason == "length"
+    A row's instruction follows its task (``task_of(tests)``: coding when it has tests, else math).
+    """
+    tests = prompts["tests"].to_list() if "tests" in prompts.columns else [None] * prompts.height
+    texts = [render_prompt(tokenizer, q, task=task_of(t)) for q, t in zip(prompts["question"].to_list(), tests)]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    requests = []
+    for pid, toks in zip(prompts["prompt_id"].to_list(), ids):
+        if len(toks) > max_prompt_len:
+            msg = (f"{source}: prompt {pid!r} has {len(toks)} tokens, more than the {max_prompt_len} left for it "
+                   "(sampling.max_model_len - max_new_tokens). "
+                   "Hint: raise sampling.max_model_len or shorten the prompt")
+            raise ValueError(msg)
+        requests.append(Request(pid, list(toks), request_seed(seed, iteration, pid)))
+    return requests, texts
 
-    def merge(self, other: RolloutStats) -> None:
-        """Add a parallel worker's counts; ``seconds`` is the slowest worker's (they ran at once)."""
-        self.completions += other.completions
-        self.completion_tokens += other.completion_tokens
-        self.max_len = max(self.max_len, other.max_len)
-        self.truncated += other.truncated
-        self.seconds = max(self.seconds, other.seconds)
-        for k, v in other.extra.items():
-            self.extra[k] = max(self.extra.get(k, v), v)
 
-    def as_metrics(self) -> dict[str, float]:
-        c = max(self.completions, 1)
-        return {
-            "completions": self.completions,
-            "completion_tokens_per_s": round(self.completion_tokens / max(self.seconds, 1e-9), 2),
-            "completion_len_mean": round(self.completion_tokens / c, 2),
-            "completion_len_max": self.max_len,
-            "truncated_share": round(self.truncated / c, 4),
-            **self.extra,
-        }
+def spec_from(cfg: SamplingConfig, *, n: int | None = None, temperature: float | None = None,
+              max_new_tokens: int | None = None) -> SamplingSpec:
+    return SamplingSpec(
+        n=n or cfg.group_size, temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+        max_new_tokens=max_new_tokens or cfg.max_new_tokens, stop=tuple(cfg.stop),
+    )
+
+
+def backend_for(cfg: SamplingConfig, policy: str) -> Backend:
+    return make_backend(
+        cfg.backend, policy, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager, seed=cfg.seed, in_process=cfg.engine_in_process,
+        chunked_prefill=cfg.chunked_prefill, kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=cfg.max_num_seqs,
+        cpu_threads=cfg.cpu_threads, hf_batch_size=cfg.hf_batch_size,
+    )

@@ -18,14 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_pipeline import schemas
+from grpo_pipeline import sampling, schemas
 from grpo_pipeline.config import SamplingConfig
 from grpo_pipeline.data import generate_problems
 from grpo_pipeline.run import sample as stage
 from grpo_pipeline.sampling import (
     HFBackend,
     Request,
-    RolloutStats,
     SamplingSpec,
     cut_after_stop,
     filter_logits,
@@ -324,7 +323,7 @@ def test_checkpoint_without_tokenizer_is_a_clear_error(backend, tiny_model, prom
         stage.run(c, iteration="it0", index=0, policy=str(broken), prompts_path=prompts_file,
                   out=str(tmp_path / "o"), metrics_path=None)
     with pytest.raises(FileNotFoundError, match="tokenizer"):  # the backend alone checks before starting
-        stage.backend_for(c, str(broken))
+        sampling.backend_for(c, str(broken))
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -384,8 +383,8 @@ def test_greedy_group_and_bad_config_are_errors():
 
 
 def test_rollout_stats_merge_takes_slowest_worker():
-    a, b = RolloutStats(completions=4, completion_tokens=40, max_len=12, truncated=1, seconds=2.0), \
-        RolloutStats(completions=4, completion_tokens=20, max_len=9, truncated=3, seconds=1.0)
+    a, b = stage.RolloutStats(completions=4, completion_tokens=40, max_len=12, truncated=1, seconds=2.0), \
+        stage.RolloutStats(completions=4, completion_tokens=20, max_len=9, truncated=3, seconds=1.0)
     a.merge(b)
     m = a.as_metrics()
     assert m["completion_tokens_per_s"] == 30.0 and m["completion_len_max"] == 12 and m["truncated_share"] == 0.5

@@ -20,7 +20,7 @@ from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.config import EvaluateConfig, RewardConfig, SamplingConfig, TestsRewardConfig
 from grpo_pipeline.rewards import score_frame
 from grpo_pipeline.run import summary
-from grpo_pipeline.run.sample import backend_for, build_requests, spec_from
+from grpo_pipeline.sampling import backend_for, build_requests, spec_from
 
 EVAL_REWARDS = RewardConfig(weights={"accuracy": 1.0, "format": 1.0}, step_scorer=None)
 CODING_EVAL_REWARDS = RewardConfig(weights={"accuracy": 1.0, "format": 1.0, "tests": 1.0}, step_scorer=None,
