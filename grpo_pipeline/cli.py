@@ -1,7 +1,8 @@
 """``grpo-pipeline``: the project's command line (the stages themselves run through ``dvc repro``).
 
     grpo-pipeline iterations N [--eval-every K] [--eval-prompts P]  regenerate the iterations table in params.yaml
-    grpo-pipeline check [params.yaml]             validate params.yaml
+    grpo-pipeline check [params.yaml]             validate params.yaml (and every registered name in it)
+    grpo-pipeline deps [--check]                  each stage's code deps from its imports (see stagedeps.py)
     grpo-pipeline inspect [--iteration it0] ...   rollouts with rewards and advantages, per group
 """
 
@@ -21,10 +22,16 @@ def _iterations(args: argparse.Namespace) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    from grpo_pipeline.config import load_params
+    from grpo_pipeline.config import SECTIONS, load_params
 
-    p = load_params(args.params)
+    p = load_params(args.params, sections=[s for s in SECTIONS if s not in ("iterations", "evaluations")])
     print(f"{args.params}: ok ({len(p.iterations)} iterations)")
+
+
+def _deps(args: argparse.Namespace) -> None:
+    from grpo_pipeline.stagedeps import main as deps_main
+
+    sys.exit(deps_main(args.dvc_yaml, check_only=args.check))
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -47,6 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     ck = sub.add_parser("check", help="validate params.yaml")
     ck.add_argument("params", nargs="?", default="params.yaml")
     ck.set_defaults(fn=_check)
+    dp = sub.add_parser("deps", help="print (or --check) each dvc.yaml stage's code deps, from its imports")
+    dp.add_argument("--check", action="store_true", help="exit 1 naming each stage whose deps differ")
+    dp.add_argument("--dvc-yaml", default="dvc.yaml")
+    dp.set_defaults(fn=_deps)
     ins = sub.add_parser("inspect", help="print rollouts per group with rewards and advantages")
     ins.add_argument("--data", default="data", help="the pipeline's data dir (default: data)")
     ins.add_argument("--iteration", default=None)

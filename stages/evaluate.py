@@ -12,7 +12,7 @@ def main() -> None:
     p.add_argument("--metrics", default=None)
     p.add_argument("--n-prompts", type=int, default=0, help="first n eval prompts (0: evaluate.n_prompts, else all)")
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "evaluate", "sampling", "reward")
     from grpo_pipeline.run import evaluate
 
     evaluate.run(cfg.evaluate, cfg.sampling, name=args.name, checkpoint=args.checkpoint, prompts=args.prompts,

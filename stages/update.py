@@ -24,7 +24,7 @@ def main() -> None:
     p.add_argument("--optimizer-state", default=None,
                    help="directory of the AdamW state carried between iterations (see grpo_pipeline/train_state.py)")
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "update")
     from grpo_pipeline import distributed
 
     if cfg.update.distributed.strategy != "none" and not distributed.launched():
