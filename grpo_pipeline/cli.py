@@ -2,7 +2,7 @@
 
     grpo-pipeline iterations N [--eval-every K] [--eval-prompts P]  regenerate the iterations table in params.yaml
     grpo-pipeline check [params.yaml]             validate params.yaml (and every registered name in it)
-    grpo-pipeline deps [--check]                  each stage's code deps from its imports (see stagedeps.py)
+    grpo-pipeline deps [--check | --write]        each stage's code deps from its imports (see stagedeps.py)
     grpo-pipeline inspect [--iteration it0] ...   rollouts with rewards and advantages, per group
 """
 
@@ -31,7 +31,7 @@ def _check(args: argparse.Namespace) -> None:
 def _deps(args: argparse.Namespace) -> None:
     from grpo_pipeline.stagedeps import main as deps_main
 
-    sys.exit(deps_main(args.dvc_yaml, check_only=args.check))
+    sys.exit(deps_main(args.dvc_yaml, check_only=args.check, write=args.write))
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ck.set_defaults(fn=_check)
     dp = sub.add_parser("deps", help="print (or --check) each dvc.yaml stage's code deps, from its imports")
     dp.add_argument("--check", action="store_true", help="exit 1 naming each stage whose deps differ")
+    dp.add_argument("--write", action="store_true", help="rewrite the code deps in dvc.yaml")
     dp.add_argument("--dvc-yaml", default="dvc.yaml")
     dp.set_defaults(fn=_deps)
     ins = sub.add_parser("inspect", help="print rollouts per group with rewards and advantages")

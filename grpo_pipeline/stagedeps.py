@@ -16,6 +16,7 @@ module it does not import is one, so editing an unrelated module does not rerun 
 
     grpo-pipeline deps            # print each stage's code deps, as dvc.yaml should list them
     grpo-pipeline deps --check    # exit 1 naming every stage whose deps differ
+    grpo-pipeline deps --write    # rewrite the code deps in dvc.yaml (other deps and comments kept)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["CODE_ROOTS", "check", "code_deps", "import_closure", "stage_scripts"]
+__all__ = ["CODE_ROOTS", "check", "code_deps", "import_closure", "rewrite", "stage_scripts"]
 
 CODE_ROOTS = ("grpo_pipeline", "stages")
 
@@ -146,8 +147,43 @@ def check(dvc_yaml: str | Path = "dvc.yaml") -> dict[str, tuple[list[str], list[
     return bad
 
 
-def main(dvc_yaml: str = "dvc.yaml", *, check_only: bool = False) -> int:
+def rewrite(dvc_yaml: str | Path = "dvc.yaml") -> None:
+    """Replace each stage's code deps in ``dvc_yaml`` by its import closure, as a block list after
+    its other deps; other lines (comments included) are kept as they are."""
+    path = Path(dvc_yaml)
+    root = path.resolve().parent
+    scripts = stage_scripts(path)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out: list[str] = []
+    stage, i = None, 0
+    while i < len(lines):
+        line = lines[i]
+        if m := re.match(r"^  ([\w-]+):\s*$", line):
+            stage = m.group(1)
+        d = re.match(r"^(\s+)deps:(.*)$", line)
+        if not (d and stage in scripts):
+            out.append(line)
+            i += 1
+            continue
+        ind, rest = d.group(1), d.group(2).strip()
+        i += 1
+        while rest.count("[") > rest.count("]"):  # a flow list over several lines
+            rest += " " + lines[i].strip()
+            i += 1
+        while not rest and i < len(lines) and re.match(rf"^{ind}  - ", lines[i]):
+            i += 1
+        script, deps = scripts[stage]
+        keep = [x for x in deps if x.split("/")[0] not in CODE_ROOTS]
+        out.append(f"{ind}deps:")
+        out += [f"{ind}  - {x}" for x in keep + import_closure(script, root)]
+    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+
+
+def main(dvc_yaml: str = "dvc.yaml", *, check_only: bool = False, write: bool = False) -> int:
     root = Path(dvc_yaml).resolve().parent
+    if write:
+        rewrite(dvc_yaml)
+        check_only = True
     if check_only:
         bad = check(dvc_yaml)
         for name, (missing, extra) in bad.items():
