@@ -296,3 +296,18 @@ def test_non_finite_stops_and_writes_nothing(tmp_path, ckpts, adv, match):
     with pytest.raises(NonFiniteError, match=match):
         stage_run(UpdateConfig(**UPD), ckpts, data, out, state=str(tmp_path / "state"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adv.parquet", "rollouts"]
+
+
+def test_update_max_tokens_wins_over_the_samplers_budget(tmp_path, ckpts):
+    """Dr. GRPO's constant: update.max_tokens when set, else the rollouts' max_new_tokens (8 here).
+
+    First step, ratio 1, beta 0: loss = -1/G sum_i A_i |o_i| / L, so L = 16 halves the loss of L = 8."""
+    rows = rand_rollouts(4, seed=5)
+    data = write_stage_inputs(tmp_path, rows)
+    base = {"aggregation": "seq_mean_token_sum_norm", "beta": 0.0, "minibatch_size": 4, "micro_batch_size": 4}
+    loss = {}
+    for max_tokens in (None, 16):
+        stage_run(UpdateConfig(**base, max_tokens=max_tokens), ckpts, data, tmp_path / f"out{max_tokens}")
+        loss[max_tokens] = json.loads((tmp_path / f"out{max_tokens}.steps.json").read_text())[0]["loss"]
+    want = -sum(r.advantage * len(r.completion_ids) for r in rows) / 4
+    assert loss[None] == pytest.approx(want / 8, rel=1e-5) and loss[16] == pytest.approx(want / 16, rel=1e-5)
