@@ -104,6 +104,30 @@ def cut_after_stop(text: str, stop: tuple[str, ...] | list[str]) -> tuple[str, b
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
+def token_char_ends(tokenizer: Any, token_ids: list[int], text: str) -> list[int]:
+    """Per token, how many characters of ``text`` are complete once the token is in: (T,) non-decreasing.
+
+    ``text`` is the completion as the sampler writes it (``decode(token_ids, skip_special_tokens=True)``,
+    cut after its stop string). Found incrementally, in the way vLLM detokenizes, linear in the length:
+    each new token is decoded with the few tokens before it as context, a special token adds no
+    characters, and a token ending inside a multi-byte UTF-8 character (decoded as U+FFFD) adds none
+    until the token completing it. Offsets past the stop-string cut are clamped to ``len(text)``.
+    Token ``t`` spans characters ``[ends[t-1], ends[t])`` (process supervision maps step ends with it).
+    """
+    ends: list[int] = []
+    emitted, prefix, read = 0, 0, 0  # decode(ids[prefix:read]): context already counted
+    for i in range(len(token_ids)):
+        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True) if read > prefix else ""
+        after = tokenizer.decode(token_ids[prefix: i + 1], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            emitted += len(after) - len(before)
+            prefix, read = read, i + 1
+        elif after == before:  # a special token: nothing new, nothing pending
+            read = i + 1
+        ends.append(min(emitted, len(text)))
+    return ends
+
+
 def _version(dist: str) -> str:
     import importlib.metadata
 

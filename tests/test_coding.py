@@ -257,7 +257,7 @@ def test_score_stage_joins_tests_from_prompts(tmp_path, tasks):
         for j, text in enumerate([f"<think>a</think><answer>{p['answer']}</answer>", "<answer>x = (</answer>"]):
             rows.append({"iteration": "it0", "prompt_id": p["prompt_id"], "sample_idx": j, "question": p["question"],
                          "answer": p["answer"], "operation": None, "prompt": "", "prompt_token_ids": [1],
-                         "completion": text, "completion_token_ids": [1], "completion_logprobs": [0.0],
+                         "completion": text, "completion_token_ids": [1], "completion_logprobs": [0.0], "completion_token_ends": [len(text)],
                          "finish_reason": "stop", "prompt_len": 1, "completion_len": 1, "policy": "m"})
     schemas.write_table(pl.DataFrame(rows), tmp_path / "ro" / "part-00000.parquet", "rollouts")
     m = score.run(TESTS, rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None,

@@ -24,6 +24,7 @@ def rollouts(n_prompts=7, g=4, seed=0) -> pl.DataFrame:
             rows.append({"iteration": "it0", "prompt_id": f"p{p:03d}", "sample_idx": k, "question": "3*4?",
                          "answer": "12", "operation": "mul", "prompt": "q", "prompt_token_ids": [1],
                          "completion": comp, "completion_token_ids": [2, 3], "completion_logprobs": [-1.0, -1.0],
+                         "completion_token_ends": [1, len(comp)],
                          "finish_reason": "stop", "prompt_len": 1, "completion_len": 2, "policy": "m"})
     return pl.DataFrame(rows, schema_overrides={"sample_idx": pl.Int32})
 

@@ -30,8 +30,8 @@ Example
 ...                    "completion": ["<think>5 / 3 = 1.67</think><answer>1.67</answer>"],
 ...                    "answer": ["1.67"], "operation": ["div"]})
 >>> out, metrics = score_frame(df, RewardConfig())
->>> out["reward"].to_list(), out["steps"].to_list()
-([2.0], [[{'start': 7, 'end': 19, 'reward': 1.0}]])
+>>> out["reward"].to_list(), out["steps"].to_list()  # a reasoning step, then the answer
+([2.0], [[{'start': 7, 'end': 19, 'reward': 1.0}, {'start': 27, 'end': 48, 'reward': 1.0}]])
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from grpo_pipeline.config import RewardConfig
 from grpo_pipeline.rewards import code as _code  # noqa: F401 - registers the "tests" rule
 from grpo_pipeline.rewards.custom import load_function, run_custom_reward
 from grpo_pipeline.rewards.rules import REWARD_RULES, get_rule, register_rule
-from grpo_pipeline.rewards.steps import STEP_SCORERS, score_steps, split_steps
+from grpo_pipeline.rewards.steps import STEP_SCORERS, score_steps, split_steps, with_answer_step
 
 __all__ = [
     "REWARD_RULES",
@@ -138,7 +138,8 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
         ``frame``: ``prompt_id``, ``sample_idx``, ``reward_accuracy``, ``reward_format``,
         ``reward_reasoning``, ``reward_<custom>`` (Float64, null: errored / not
         applicable), ``reward`` (Float64), ``reward_error`` (Utf8, ``"; "``-joined
-        ``"<name>: <Type>: message"``), ``steps`` (List(Struct{start, end, reward})).
+        ``"<name>: <Type>: message"``), ``steps`` (List(Struct{start, end, reward}): the reasoning
+        steps, then the final answer rewarded by accuracy; empty when ``step_scorer`` is null).
         ``metrics``: ``rewards/<name>/{mean,std,null,errors}``, ``reward/{mean,std,null}``,
         ``steps/{per_completion,reward_mean,null_share,errors}``, ``rows``
         (std is the population std; means skip nulls).
@@ -171,6 +172,8 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
         errors.append(errs)
         metrics[f"rewards/{c.name}/errors"] = _check_error_share(c.name, errs, df, cfg)
     steps, step_errs = score_steps(df, split=cfg.step_split, scorer=cfg.step_scorer)
+    if cfg.step_scorer is not None:  # the final answer is the last step, rewarded by accuracy
+        steps = with_answer_step(steps, df["completion"], components["accuracy"][0])
     step_errors = pl.Series("error", step_errs, dtype=pl.Utf8)
     metrics["steps/errors"] = _check_error_share("steps", step_errors, df, cfg)
     errors.append(step_errors)

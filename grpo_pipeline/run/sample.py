@@ -45,6 +45,7 @@ from grpo_pipeline.sampling import (
     build_requests,
     select_prompts,
     spec_from,
+    token_char_ends,
 )
 
 SEED_RULE = "completion k of prompt p: seed request_seed(sampling.seed, iteration, p) + k"
@@ -169,7 +170,8 @@ def sample_shard(backend: Backend, shard: Shard, spec: SamplingSpec, *, batch_pr
             stats.seconds += time.perf_counter() - t0
             stats.add(samples)
             write(rollout_frame(shard.prompts[lo: lo + batch_prompts], shard.texts[lo: lo + batch_prompts], batch,
-                                samples, iteration=shard.meta["iteration"], policy=shard.meta["policy"]))
+                                samples, iteration=shard.meta["iteration"], policy=shard.meta["policy"],
+                                tokenizer=backend.tokenizer))
     stats.extra["sample_s"] = round(stats.seconds, 3)
     return stats
 
@@ -252,7 +254,7 @@ def run_workers(cfg: SamplingConfig, policy: str, shards: list[Shard], spec: Sam
 
 
 def rollout_frame(prompts: pl.DataFrame, texts: list[str], requests: list[Request], samples: list[list[Sample]], *,
-                  iteration: str, policy: str) -> pl.DataFrame:
+                  iteration: str, policy: str, tokenizer) -> pl.DataFrame:
     """One row per completion, in the rollouts schema (grpo_pipeline/schemas.py); built as Arrow (fast)."""
     g = [len(group) for group in samples]  # completions per prompt
 
@@ -272,6 +274,8 @@ def rollout_frame(prompts: pl.DataFrame, texts: list[str], requests: list[Reques
         "completion": pa.array([s.text for s in flat], pa.string()),
         "completion_token_ids": pa.array([s.token_ids for s in flat], pa.list_(pa.int32())),
         "completion_logprobs": pa.array([s.logprobs for s in flat], pa.list_(pa.float32())),
+        "completion_token_ends": pa.array([token_char_ends(tokenizer, s.token_ids, s.text) for s in flat],
+                                          pa.list_(pa.int32())),
         "finish_reason": pa.array([s.finish_reason for s in flat], pa.string()),
         "prompt_len": pa.array(rep([len(r.prompt_token_ids) for r in requests]), pa.int32()),
         "completion_len": pa.array([len(s.token_ids) for s in flat], pa.int32()),
