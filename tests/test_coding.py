@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from grpo_pipeline import schemas, template
 from grpo_pipeline.coding import FAMILIES, TASK_COLUMNS, add_task_columns, generate_tasks, load_tasks, split_tests
-from grpo_pipeline.config import DataConfig, RewardConfig
+from grpo_pipeline.config import DataConfig, Params, RewardConfig, check_names
 from grpo_pipeline.data import generate_problems
 from grpo_pipeline.rewards import code as code_reward
 from grpo_pipeline.rewards import score_frame
@@ -74,8 +74,8 @@ def test_references_pass_and_a_constant_fails_in_the_sandbox(tasks):
 def test_unknown_family_lists_valid_ones():
     with pytest.raises(ValueError, match=r"Unknown coding task families \['sort'\].*'add_k'"):
         generate_tasks(n=2, families=["sort"])
-    with pytest.raises(ValueError, match="coding_kinds has unknown families"):
-        DataConfig(task="coding", coding_kinds=["sort"])
+    with pytest.raises(ValueError, match=r"data.coding_kinds: unknown name\(s\) \['sort'\]; registered: .*'add_k'"):
+        check_names(Params(data=DataConfig(task="coding", coding_kinds=["sort"])), ["data"])
 
 
 # --------------------------------------------------------------------------- HumanEval / MBPP tests
