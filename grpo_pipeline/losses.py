@@ -256,11 +256,11 @@ def grpo_loss(
     mask: torch.Tensor,
     *,
     logp_ref: torch.Tensor | None = None,
-    eps_low: float = 0.2,
+    eps_low: float,
     eps_high: float | None = None,
-    beta: float = 0.04,
-    kl_estimator: str = "k3",
-    aggregation: str = "seq_mean_token_mean",
+    beta: float,
+    kl_estimator: str,
+    aggregation: str,
     max_tokens: int | None = None,
     global_num_seqs: Number | None = None,
     global_num_tokens: Number | None = None,
@@ -292,7 +292,8 @@ def grpo_loss(
     --------
     >>> logp = torch.zeros(2, 3, requires_grad=True)
     >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    >>> loss, m = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, beta=0.0)
+    >>> loss, m = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, eps_low=0.2, beta=0.0,
+    ...                     kl_estimator="k3", aggregation="seq_mean_token_mean")
     >>> loss.item(), m["ratio_mean"].item()
     (0.0, 1.0)
     """

@@ -38,15 +38,20 @@ from grpo_pipeline.config import SamplingConfig
 from grpo_pipeline.template import render_prompt, task_of
 
 
+_DEFAULT = SamplingConfig()  # the spec's defaults are params.yaml's (config.py), not values of its own
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
-    n: int                       # G completions per prompt
-    temperature: float = 1.0     # 0: greedy
-    top_p: float = 1.0           # 1: off
-    top_k: int = 0               # 0: off
-    min_p: float = 0.0           # 0: off
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ("</answer>",)  # kept in the completion text
+    """How one engine call samples; build it from the config with :func:`spec_from`."""
+
+    n: int                                          # G completions per prompt
+    temperature: float = _DEFAULT.temperature       # 0: greedy
+    top_p: float = _DEFAULT.top_p                   # 1: off
+    top_k: int = _DEFAULT.top_k                     # 0: off
+    min_p: float = _DEFAULT.min_p                   # 0: off
+    max_new_tokens: int = _DEFAULT.max_new_tokens
+    stop: tuple[str, ...] = tuple(_DEFAULT.stop)    # kept in the completion text
 
     def __post_init__(self) -> None:
         if self.temperature == 0 and self.n > 1:
@@ -161,8 +166,8 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model_dir: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = True, seed: int = 0,
-                 in_process: bool | None = None, chunked_prefill: bool | None = None,
+                 tensor_parallel_size: int = _DEFAULT.tensor_parallel_size, enforce_eager: bool = _DEFAULT.enforce_eager,
+                 seed: int = _DEFAULT.seed, in_process: bool | None = None, chunked_prefill: bool | None = None,
                  kv_cache_gib: float | None = None, max_num_seqs: int | None = None, cpu_threads: int | None = None,
                  **_: Any) -> None:
         from grpo_pipeline.checkpoint import load_tokenizer
@@ -310,7 +315,8 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", hf_batch_size: int = 16, **_: Any) -> None:
+    def __init__(self, model_dir: str, *, dtype: str = _DEFAULT.dtype, hf_batch_size: int = _DEFAULT.hf_batch_size,
+                 **_: Any) -> None:
         import torch
 
         from grpo_pipeline.checkpoint import load_model, load_tokenizer

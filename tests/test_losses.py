@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -9,13 +10,18 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from grpo_pipeline import losses
+from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     get_aggregation,
     get_kl_estimator,
-    grpo_loss,
 )
+
+_U = UpdateConfig()  # grpo_loss takes every setting; these tests use params.yaml's defaults unless they say
+grpo_loss = functools.partial(losses.grpo_loss, eps_low=_U.epsilon, beta=_U.beta, kl_estimator=_U.kl_estimator,
+                              aggregation=_U.aggregation)
 
 AGGS = ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
 ESTS = ["k1", "k2", "k3"]

@@ -144,7 +144,8 @@ def test_clipped_tokens_give_no_gradient_through_the_model(tiny_model):
             assert 0 < keep.sum() < b.completion_mask.sum()
             loss = -((r * adv[:, None] * keep).sum(-1) / b.completion_mask.sum(-1)).mean()
         else:
-            loss, m = grpo_loss(logp, old, adv, b.completion_mask, beta=0.0, eps_low=0.2)
+            loss, m = grpo_loss(logp, old, adv, b.completion_mask, beta=0.0, eps_low=0.2, kl_estimator="k3",
+                                 aggregation="seq_mean_token_mean")
             assert m["clip_frac_low"] + m["clip_frac_high"] > 0
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
