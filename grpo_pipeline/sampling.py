@@ -80,6 +80,7 @@ class Sample:
 class Backend(Protocol):
     name: str
     startup_s: float             # engine / model start-up, seconds
+    tokenizer: Any               # the checkpoint's tokenizer (the text and token offsets of samples)
 
     def versions(self) -> dict[str, str]: ...
     def generate(self, requests: list[Request], spec: SamplingSpec) -> list[list[Sample]]: ...

@@ -127,6 +127,10 @@ def test_stage_rows_schema_metadata_and_decoding(tiny_vllm, tiny_model, prompts_
         lps = r["completion_logprobs"]
         assert len(lps) == r["completion_len"] and all(math.isfinite(v) and v <= 0 for v in lps)
         assert r["policy"] == tiny_model and r["iteration"] == "it0"
+        ids, ends = r["completion_token_ids"], r["completion_token_ends"]  # chars complete after each token
+        want = [min(len(tok.decode(ids[: t + 1], skip_special_tokens=True).rstrip("\ufffd")), len(r["completion"]))
+                for t in range(len(ids))]
+        assert ends == want
     printed = capsys.readouterr().out
     for key in ("completion_tokens_per_s", "completion_len_mean", "completion_len_max", "truncated_share",
                 "engine_startup_s"):
@@ -263,6 +267,7 @@ class Interrupting:
 
     def __init__(self, inner, at: int) -> None:
         self.inner, self.at, self.calls, self.startup_s = inner, at, 0, 0.0
+        self.tokenizer = inner.tokenizer
 
     def versions(self):
         return self.inner.versions()
