@@ -121,16 +121,17 @@ def token_char_ends(tokenizer: Any, token_ids: list[int], text: str) -> list[int
     Token ``t`` spans characters ``[ends[t-1], ends[t])`` (process supervision maps step ends with it).
     """
     ends: list[int] = []
-    emitted, prefix, read = 0, 0, 0  # decode(ids[prefix:read]): context already counted
+    done, prefix, read = 0, 0, 0  # decode(ids[prefix:read]) is context whose characters are counted in `done`
     for i in range(len(token_ids)):
         before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True) if read > prefix else ""
         after = tokenizer.decode(token_ids[prefix: i + 1], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            emitted += len(after) - len(before)
-            prefix, read = read, i + 1
-        elif after == before:  # a special token: nothing new, nothing pending
-            read = i + 1
-        ends.append(min(emitted, len(text)))
+        if not after.endswith("\ufffd"):  # every byte so far forms characters: count them, move on
+            done += len(after) - len(before)
+            prefix, read = (read, i + 1) if len(after) > len(before) else (prefix, i + 1)
+            end = done
+        else:  # a character is still incomplete: count only those before it
+            end = done + max(len(after.rstrip("\ufffd")) - len(before), 0)
+        ends.append(min(max(end, ends[-1] if ends else 0), len(text)))
     return ends
 
 

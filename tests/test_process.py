@@ -139,3 +139,19 @@ def test_token_char_ends_handle_special_tokens_and_split_characters(tiny_model):
     split = [t for t in range(1, len(ids)) if ends[t] == ends[t - 1] and t != 3]
     assert split  # a token ending inside 元 / 支 / 七 completes no character
     assert token_char_ends(tok, ids, text[:10])[-1] == 10                     # clamped at a stop-string cut
+
+
+def test_token_char_ends_equal_the_quadratic_reference_on_random_tokens(tiny_model):
+    """Random ids (byte tokens that split or never form characters, special tokens): the linear offsets
+    equal decoding every prefix and counting its complete characters."""
+    import random
+
+    from grpo_pipeline.sampling import token_char_ends
+
+    tok = load_tokenizer(tiny_model)
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 16))]
+        text = tok.decode(ids, skip_special_tokens=True)
+        want = [len(tok.decode(ids[: t + 1], skip_special_tokens=True).rstrip("\ufffd")) for t in range(len(ids))]
+        assert token_char_ends(tok, ids, text) == want, ids
