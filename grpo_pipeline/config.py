@@ -43,7 +43,7 @@ class DataConfig(Section):
     answer_field: str = Field("answer", description="GSM8K's `#### 72` convention is understood.")
     solution_field: str | None = None
     n_train: int = Field(256, ge=1, description="Synthetic problems for training.")
-    n_eval: int = Field(32, ge=1, description="Held-out problems for evaluation.")
+    n_eval: int = Field(256, ge=1, description="Held-out problems for evaluation (>= 256: a 10-point change is visible).")
     languages: list[str] = Registered(["en", "zh"], "grpo_pipeline.data:LANGUAGES", "Problem languages.")
     kinds: list[str] | None = Registered(None, "grpo_pipeline.data:KINDS", "Problem kinds (None: all).")
     difficulty: int = Field(1, ge=1, le=3, description="Operand magnitude, 1..3.")
@@ -157,7 +157,7 @@ class SamplingConfig(Section):
     )
     hf_batch_size: int = Field(16, ge=1, description="Sequences decoded at once by the HF backend.")
     spare_prompts: int = Field(
-        0, ge=0, description="Dynamic sampling (DAPO): extra prompts sampled each iteration beyond "
+        4, ge=0, description="Dynamic sampling (DAPO): extra prompts sampled each iteration beyond "
         "prompts_per_iteration; with advantage.filter_groups the advantage stage keeps the first "
         "prompts_per_iteration informative groups (rewards not all equal) and drops the rest.",
     )
@@ -202,7 +202,7 @@ class TestsRewardConfig(Section):
 
 class RewardConfig(Section):
     weights: dict[str, float] = Registered(
-        {"accuracy": 1.0, "format": 1.0, "reasoning": 0.0}, "grpo_pipeline.rewards:REWARD_RULES",
+        {"accuracy": 1.0, "format": 0.2, "reasoning": 0.0}, "grpo_pipeline.rewards:REWARD_RULES",
         "Weight per built-in rule reward; the total reward is the weighted sum (custom ones go in reward.custom).",
     )
     rel_tol: float = Field(1e-6, ge=0, lt=1, description="Relative tolerance for numeric answers.")
@@ -226,7 +226,7 @@ class AdvantageConfig(Section):
                           "population (1/G, the spec), sample (1/(G-1)), batch, none (Dr. GRPO).")
     delta: float = Field(1e-4, ge=0, le=1, description="A = (r - mean) / (std + delta).")
     filter_groups: bool = Field(
-        False, description="Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the update "
+        True, description="Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the update "
         "(adv_mask false), and keep at most the sampler's prompts_per_iteration informative groups (the rest of "
         "sampling.spare_prompts is surplus). Metrics: dynamic/dropped_group_share, dynamic/kept_groups.",
     )
@@ -256,7 +256,7 @@ class UpdateConfig(Section):
         "max_new_tokens from the rollouts' metadata, else the longest completion.",
     )
     mu: int = Field(1, ge=1, le=16, description="Passes over the iteration's rollouts.")
-    minibatch_size: int = Field(64, ge=1, description="Sequences per optimizer step (over all processes).")
+    minibatch_size: int = Field(16, ge=1, description="Sequences per optimizer step (over all processes).")
     micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward, per process (peak memory).")
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)

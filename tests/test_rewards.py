@@ -17,7 +17,7 @@ from grpo_pipeline.rewards.parse import extract_answer, normalize_series, normal
 from grpo_pipeline.rewards.rowwise import accuracy_row, format_row
 from grpo_pipeline.rewards.rules import accuracy_fast, format_reward
 
-NO_STEPS = {"step_scorer": None}
+NO_STEPS = {"step_scorer": None, "weights": {"accuracy": 1.0, "format": 1.0, "reasoning": 0.0}}
 
 
 def frame(completions, answers=None, operations=None, **extra) -> pl.DataFrame:

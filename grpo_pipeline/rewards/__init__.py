@@ -29,7 +29,7 @@ Example
 >>> df = pl.DataFrame({"prompt_id": ["p0"], "sample_idx": [0],
 ...                    "completion": ["<think>5 / 3 = 1.67</think><answer>1.67</answer>"],
 ...                    "answer": ["1.67"], "operation": ["div"]})
->>> out, metrics = score_frame(df, RewardConfig())
+>>> out, metrics = score_frame(df, RewardConfig(weights={"accuracy": 1.0, "format": 1.0}))
 >>> out["reward"].to_list(), out["steps"].to_list()  # a reasoning step, then the answer
 ([2.0], [[{'start': 7, 'end': 19, 'reward': 1.0}, {'start': 27, 'end': 48, 'reward': 1.0}]])
 """
