@@ -41,7 +41,7 @@ def problems(n: int, seed: int = 0) -> pl.DataFrame:
 
 
 def cfg(**kw) -> SamplingConfig:
-    base = {"prompts_per_iteration": N_PROMPTS, "group_size": G, "max_new_tokens": 16, "dtype": "float32",
+    base = {"prompts_per_iteration": N_PROMPTS, "spare_prompts": 0, "group_size": G, "max_new_tokens": 16, "dtype": "float32",
             "max_model_len": 512, "stop": [" "], "batch_prompts": 4, "kv_cache_gib": 0.25, "hf_batch_size": G}
     return SamplingConfig(**{**base, **kw})
 
