@@ -66,7 +66,7 @@ def test_evaluate_takes_the_reward_config():
     judged = eval_rewards(cfg, coding=True)
     assert judged.tests.timeout_s == 7.0 and judged.tests.memory_mb == 512 and judged.tests.all_or_nothing
     assert judged.rel_tol == 0.01 and judged.step_scorer is None and judged.weights["tests"] == 1.0
-    df = pl.DataFrame({"prompt_id": ["p"], "sample_idx": [0], "completion": ["<think>x</think><answer>1.005</answer>"],
-                       "answer": ["1"], "operation": [None]}, schema_overrides={"sample_idx": pl.Int32,
+    df = pl.DataFrame({"prompt_id": ["p"], "sample_idx": [0], "completion": ["<think>x</think><answer>1.51</answer>"],
+                       "answer": ["3/2"], "operation": [None]}, schema_overrides={"sample_idx": pl.Int32,
                                                                                "operation": pl.Utf8})
     assert judge(df, cfg)["accuracy"].item() == 1.0 and judge(df, RewardConfig())["accuracy"].item() == 0.0
