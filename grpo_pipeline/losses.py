@@ -256,11 +256,11 @@ def grpo_loss(
     mask: torch.Tensor,
     *,
     logp_ref: torch.Tensor | None = None,
-    eps_low: float = 0.2,
+    eps_low: float,
     eps_high: float | None = None,
-    beta: float = 0.04,
-    kl_estimator: str = "k3",
-    aggregation: str = "seq_mean_token_mean",
+    beta: float,
+    kl_estimator: str,
+    aggregation: str,
     max_tokens: int | None = None,
     global_num_seqs: Number | None = None,
     global_num_tokens: Number | None = None,
@@ -292,7 +292,8 @@ def grpo_loss(
     --------
     >>> logp = torch.zeros(2, 3, requires_grad=True)
     >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    >>> loss, m = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, beta=0.0)
+    >>> loss, m = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, eps_low=0.2, beta=0.0,
+    ...                     kl_estimator="k3", aggregation="seq_mean_token_mean")
     >>> loss.item(), m["ratio_mean"].item()
     (0.0, 1.0)
     """
@@ -339,56 +340,3 @@ def _metrics(
         "ratio_min": torch.where(valid, ratio, float("inf")).min(),
         "ratio_max": torch.where(valid, ratio, float("-inf")).max(),
     }
-
-
-# --------------------------------------------------------------------------- log-probs from logits
-def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
-    logsm = torch.log_softmax(logits.to(dtype), dim=-1)  # (N, V)
-    picked = logsm.gather(-1, labels[:, None]).squeeze(-1)  # (N,)
-    entropy = -(logsm.exp() * logsm).sum(-1)  # (N,)
-    return picked, entropy
-
-
-def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 1024
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log softmax(logits)[label]`` and entropy ``-sum_v p_v log p_v`` per token, in chunks.
-
-    The ``B*T`` tokens are processed ``chunk_size`` at a time, each chunk upcast to float32, so
-    the full ``(B, T, V)`` float32 log-softmax never exists at once in the forward pass.
-    (Autograd keeps each chunk's log-softmax for backward; wrap in ``torch.no_grad()`` for
-    pi_old / pi_ref.)
-
-    Parameters
-    ----------
-    logits : (B, T, V) any float dtype; already aligned so ``logits[:, t]`` predicts ``labels[:, t]``.
-    labels : (B, T) integer token ids in ``[0, V)`` (replace padding ids such as -100 first).
-
-    Returns
-    -------
-    logp : (B, T) float32 (float64 for float64 logits).
-    entropy : (B, T) same dtype.
-    """
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        msg = f"expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and {tuple(labels.shape)}"
-        raise ValueError(msg)
-    if chunk_size < 1:
-        msg = f"chunk_size must be >= 1, got {chunk_size}"
-        raise ValueError(msg)
-    vocab = logits.shape[-1]
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
-        msg = f"labels must lie in [0, {vocab}); got min {int(labels.min())}, max {int(labels.max())}"
-        raise ValueError(msg)
-    flat_logits = logits.reshape(-1, vocab)  # (B*T, V)
-    flat_labels = labels.reshape(-1)  # (B*T,)
-    parts = [
-        _chunk_logprobs(flat_logits[s : s + chunk_size], flat_labels[s : s + chunk_size])
-        for s in range(0, flat_labels.shape[0], chunk_size)
-    ]
-    if not parts:  # no tokens at all
-        empty = torch.empty(labels.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
-        return empty, empty.clone()
-    logp = torch.cat([p for p, _ in parts]).view(labels.shape)  # (B, T)
-    entropy = torch.cat([h for _, h in parts]).view(labels.shape)  # (B, T)
-    return logp, entropy

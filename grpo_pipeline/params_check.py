@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo_pipeline.config import Params, ParamsError, load_params
+from grpo_pipeline.config import SECTIONS, Params, ParamsError, load_params
 from grpo_pipeline.io import write_json
 
 MARKER = "data/checked_params.json"
@@ -53,7 +53,7 @@ def check(params_path: str | Path = "params.yaml", dvc_yaml: str | Path | None =
     ``dvc_yaml`` defaults to the ``dvc.yaml`` beside the params file (skipped when there is none).
     """
     path = Path(params_path)
-    params = load_params(path)
+    params = load_params(path, sections=[s for s in SECTIONS if s not in ("iterations", "evaluations")])  # names too
     dvc_yaml = Path(dvc_yaml) if dvc_yaml is not None else path.parent / "dvc.yaml"
     if dvc_yaml.is_file():
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}

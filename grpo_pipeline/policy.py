@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_pipeline.losses import token_logprobs
-
 
 @dataclass
 class Batch:
@@ -247,3 +245,56 @@ def completion_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int
         return model(batch.input_ids, batch.attention_mask, batch.position_ids, batch.completion_ids,
                      batch.completion_mask, with_entropy=with_entropy)
     return model_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy)
+
+
+# --------------------------------------------------------------------------- log-probs from logits
+def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
+    logsm = torch.log_softmax(logits.to(dtype), dim=-1)  # (N, V)
+    picked = logsm.gather(-1, labels[:, None]).squeeze(-1)  # (N,)
+    entropy = -(logsm.exp() * logsm).sum(-1)  # (N,)
+    return picked, entropy
+
+
+def token_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(logits)[label]`` and entropy ``-sum_v p_v log p_v`` per token, in chunks.
+
+    The ``B*T`` tokens are processed ``chunk_size`` at a time, each chunk upcast to float32, so
+    the full ``(B, T, V)`` float32 log-softmax never exists at once in the forward pass.
+    (Autograd keeps each chunk's log-softmax for backward; wrap in ``torch.no_grad()`` for
+    pi_old / pi_ref.)
+
+    Parameters
+    ----------
+    logits : (B, T, V) any float dtype; already aligned so ``logits[:, t]`` predicts ``labels[:, t]``.
+    labels : (B, T) integer token ids in ``[0, V)`` (replace padding ids such as -100 first).
+
+    Returns
+    -------
+    logp : (B, T) float32 (float64 for float64 logits).
+    entropy : (B, T) same dtype.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        msg = f"expected logits (B, T, V) and labels (B, T), got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        raise ValueError(msg)
+    if chunk_size < 1:
+        msg = f"chunk_size must be >= 1, got {chunk_size}"
+        raise ValueError(msg)
+    vocab = logits.shape[-1]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
+        msg = f"labels must lie in [0, {vocab}); got min {int(labels.min())}, max {int(labels.max())}"
+        raise ValueError(msg)
+    flat_logits = logits.reshape(-1, vocab)  # (B*T, V)
+    flat_labels = labels.reshape(-1)  # (B*T,)
+    parts = [
+        _chunk_logprobs(flat_logits[s : s + chunk_size], flat_labels[s : s + chunk_size])
+        for s in range(0, flat_labels.shape[0], chunk_size)
+    ]
+    if not parts:  # no tokens at all
+        empty = torch.empty(labels.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+        return empty, empty.clone()
+    logp = torch.cat([p for p, _ in parts]).view(labels.shape)  # (B, T)
+    entropy = torch.cat([h for _, h in parts]).view(labels.shape)  # (B, T)
+    return logp, entropy

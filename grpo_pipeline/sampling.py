@@ -29,21 +29,29 @@ import atexit
 import hashlib
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import polars as pl
 
+from grpo_pipeline.config import SamplingConfig
+from grpo_pipeline.template import render_prompt, task_of
+
+
+_DEFAULT = SamplingConfig()  # the spec's defaults are params.yaml's (config.py), not values of its own
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    n: int                       # G completions per prompt
-    temperature: float = 1.0     # 0: greedy
-    top_p: float = 1.0           # 1: off
-    top_k: int = 0               # 0: off
-    min_p: float = 0.0           # 0: off
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ("</answer>",)  # kept in the completion text
+    """How one engine call samples; build it from the config with :func:`spec_from`."""
+
+    n: int                                          # G completions per prompt
+    temperature: float = _DEFAULT.temperature       # 0: greedy
+    top_p: float = _DEFAULT.top_p                   # 1: off
+    top_k: int = _DEFAULT.top_k                     # 0: off
+    min_p: float = _DEFAULT.min_p                   # 0: off
+    max_new_tokens: int = _DEFAULT.max_new_tokens
+    stop: tuple[str, ...] = tuple(_DEFAULT.stop)    # kept in the completion text
 
     def __post_init__(self) -> None:
         if self.temperature == 0 and self.n > 1:
@@ -72,6 +80,7 @@ class Sample:
 class Backend(Protocol):
     name: str
     startup_s: float             # engine / model start-up, seconds
+    tokenizer: Any               # the checkpoint's tokenizer (the text and token offsets of samples)
 
     def versions(self) -> dict[str, str]: ...
     def generate(self, requests: list[Request], spec: SamplingSpec) -> list[list[Sample]]: ...
@@ -99,6 +108,31 @@ def cut_after_stop(text: str, stop: tuple[str, ...] | list[str]) -> tuple[str, b
     """``text`` up to and including its first stop string, and whether one was found."""
     cuts = [i + len(s) for s in stop if s and (i := text.find(s)) >= 0]
     return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def token_char_ends(tokenizer: Any, token_ids: list[int], text: str) -> list[int]:
+    """Per token, how many characters of ``text`` are complete once the token is in: (T,) non-decreasing.
+
+    ``text`` is the completion as the sampler writes it (``decode(token_ids, skip_special_tokens=True)``,
+    cut after its stop string). Found incrementally, in the way vLLM detokenizes, linear in the length:
+    each new token is decoded with the few tokens before it as context, a special token adds no
+    characters, and a token ending inside a multi-byte UTF-8 character (decoded as U+FFFD) adds none
+    until the token completing it. Offsets past the stop-string cut are clamped to ``len(text)``.
+    Token ``t`` spans characters ``[ends[t-1], ends[t])`` (process supervision maps step ends with it).
+    """
+    ends: list[int] = []
+    done, prefix, read = 0, 0, 0  # decode(ids[prefix:read]) is context whose characters are counted in `done`
+    for i in range(len(token_ids)):
+        before = tokenizer.decode(token_ids[prefix:read], skip_special_tokens=True) if read > prefix else ""
+        after = tokenizer.decode(token_ids[prefix: i + 1], skip_special_tokens=True)
+        if not after.endswith("\ufffd"):  # every byte so far forms characters: count them, move on
+            done += len(after) - len(before)
+            prefix, read = (read, i + 1) if len(after) > len(before) else (prefix, i + 1)
+            end = done
+        else:  # a character is still incomplete: count only those before it
+            end = done + max(len(after.rstrip("\ufffd")) - len(before), 0)
+        ends.append(min(max(end, ends[-1] if ends else 0), len(text)))
+    return ends
 
 
 def _version(dist: str) -> str:
@@ -134,8 +168,8 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model_dir: str, *, dtype: str, max_model_len: int, gpu_memory_utilization: float,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = True, seed: int = 0,
-                 in_process: bool | None = None, chunked_prefill: bool | None = None,
+                 tensor_parallel_size: int = _DEFAULT.tensor_parallel_size, enforce_eager: bool = _DEFAULT.enforce_eager,
+                 seed: int = _DEFAULT.seed, in_process: bool | None = None, chunked_prefill: bool | None = None,
                  kv_cache_gib: float | None = None, max_num_seqs: int | None = None, cpu_threads: int | None = None,
                  **_: Any) -> None:
         from grpo_pipeline.checkpoint import load_tokenizer
@@ -283,7 +317,8 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", hf_batch_size: int = 16, **_: Any) -> None:
+    def __init__(self, model_dir: str, *, dtype: str = _DEFAULT.dtype, hf_batch_size: int = _DEFAULT.hf_batch_size,
+                 **_: Any) -> None:
         import torch
 
         from grpo_pipeline.checkpoint import load_model, load_tokenizer
@@ -375,40 +410,41 @@ def make_backend(name: str, model_dir: str, **kwargs: Any) -> Backend:
     return BACKENDS[name](model_dir, **kwargs)
 
 
-@dataclass
-class RolloutStats:
-    completions: int = 0
-    completion_tokens: int = 0
-    max_len: int = 0
-    truncated: int = 0
-    seconds: float = 0.0         # time inside backend.generate
-    extra: dict[str, float] = field(default_factory=dict)
+# --------------------------------------------------------------------------- requests and engines from the config
+def build_requests(prompts: pl.DataFrame, tokenizer, *, iteration: str, seed: int, max_prompt_len: int,
+                   source: str) -> tuple[list[Request], list[str]]:
+    """Tokenised chat prompts, one per row; a prompt too long for the context is an error, never dropped.
 
-    def add(self, samples: list[list[Sample]]) -> None:
-        for g in samples:
-            for s in g:
-                self.completions += 1
-                self.completion_tokens += len(s.token_ids)
-                self.max_len = max(self.max_len, len(s.token_ids))
-                self.truncated += s.finish_reason == "length"
+    A row's instruction follows its task (``task_of(tests)``: coding when it has tests, else math).
+    """
+    tests = prompts["tests"].to_list() if "tests" in prompts.columns else [None] * prompts.height
+    texts = [render_prompt(tokenizer, q, task=task_of(t)) for q, t in zip(prompts["question"].to_list(), tests)]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    requests = []
+    for pid, toks in zip(prompts["prompt_id"].to_list(), ids):
+        if len(toks) > max_prompt_len:
+            msg = (f"{source}: prompt {pid!r} has {len(toks)} tokens, more than the {max_prompt_len} left for it "
+                   "(sampling.max_model_len - max_new_tokens). "
+                   "Hint: raise sampling.max_model_len or shorten the prompt")
+            raise ValueError(msg)
+        requests.append(Request(pid, list(toks), request_seed(seed, iteration, pid)))
+    return requests, texts
 
-    def merge(self, other: RolloutStats) -> None:
-        """Add a parallel worker's counts; ``seconds`` is the slowest worker's (they ran at once)."""
-        self.completions += other.completions
-        self.completion_tokens += other.completion_tokens
-        self.max_len = max(self.max_len, other.max_len)
-        self.truncated += other.truncated
-        self.seconds = max(self.seconds, other.seconds)
-        for k, v in other.extra.items():
-            self.extra[k] = max(self.extra.get(k, v), v)
 
-    def as_metrics(self) -> dict[str, float]:
-        c = max(self.completions, 1)
-        return {
-            "completions": self.completions,
-            "completion_tokens_per_s": round(self.completion_tokens / max(self.seconds, 1e-9), 2),
-            "completion_len_mean": round(self.completion_tokens / c, 2),
-            "completion_len_max": self.max_len,
-            "truncated_share": round(self.truncated / c, 4),
-            **self.extra,
-        }
+def spec_from(cfg: SamplingConfig, *, n: int | None = None, temperature: float | None = None,
+              max_new_tokens: int | None = None) -> SamplingSpec:
+    return SamplingSpec(
+        n=n or cfg.group_size, temperature=cfg.temperature if temperature is None else temperature,
+        top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+        max_new_tokens=max_new_tokens or cfg.max_new_tokens, stop=tuple(cfg.stop),
+    )
+
+
+def backend_for(cfg: SamplingConfig, policy: str) -> Backend:
+    return make_backend(
+        cfg.backend, policy, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
+        enforce_eager=cfg.enforce_eager, seed=cfg.seed, in_process=cfg.engine_in_process,
+        chunked_prefill=cfg.chunked_prefill, kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=cfg.max_num_seqs,
+        cpu_threads=cfg.cpu_threads, hf_batch_size=cfg.hf_batch_size,
+    )

@@ -93,6 +93,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from grpo_pipeline.config import TestsRewardConfig
 from grpo_pipeline.sandbox_judge import safe_text
 
 __all__ = ["REASONS", "SYSTEM_DIRS", "Limits", "Program", "SandboxUnavailable", "Verdict", "hidden_paths", "isolation",
@@ -122,17 +123,20 @@ class SandboxUnavailable(RuntimeError):
     """Namespaces cannot be created here and ``require_isolation`` is set."""
 
 
+_TESTS = TestsRewardConfig()  # defaults: reward.tests in params.yaml (config.py), not values of its own
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-completion limits and the pool shape (``reward.tests`` in params.yaml)."""
 
-    timeout_s: float = 2.0       # time per completion (load + all tests), see the module docstring
-    memory_mb: int = 256         # RLIMIT_AS of each sandboxed process
-    file_size_mb: int = 4        # RLIMIT_FSIZE; the work tmpfs holds 4x this
-    max_processes: int = 8       # RLIMIT_NPROC of its uid (the process itself counts)
-    workers: int = 0             # supervisors at a time; 0: the usable cores
-    batch_size: int = 32         # completions per supervisor process, then a fresh one
-    require_isolation: bool = True  # False: without namespaces run with rlimits only (weak)
+    timeout_s: float = _TESTS.timeout_s          # time per completion (load + all tests), see the module docstring
+    memory_mb: int = _TESTS.memory_mb            # RLIMIT_AS of each sandboxed process
+    file_size_mb: int = _TESTS.file_size_mb      # RLIMIT_FSIZE; the work tmpfs holds 4x this
+    max_processes: int = _TESTS.max_processes    # RLIMIT_NPROC of its uid (the process itself counts)
+    workers: int = _TESTS.workers                # supervisors at a time; 0: the usable cores
+    batch_size: int = _TESTS.batch_size          # completions per supervisor process, then a fresh one
+    require_isolation: bool = _TESTS.require_isolation  # False: without namespaces rlimits only (weak)
 
     def __post_init__(self) -> None:
         for name, lo in (("timeout_s", 0.01), ("memory_mb", 32), ("file_size_mb", 1), ("max_processes", 1),

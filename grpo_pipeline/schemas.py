@@ -51,7 +51,7 @@ SCHEMAS: dict[str, tuple[int, pa.Schema]] = {
         ("tests", pa.list_(pa.string())),  # coding: hidden test snippets (one assert each); null: math
         ("entry_point", pa.string()),    # coding: the function the tests call; null: math
     ])),
-    "rollouts": (1, pa.schema([
+    "rollouts": (2, pa.schema([  # v2: completion_token_ends
         ("iteration", pa.string()),                 # it0, it1, ...
         ("prompt_id", pa.string()),                 # group key
         ("sample_idx", pa.int32()),                 # 0..G-1 inside the group
@@ -63,6 +63,9 @@ SCHEMAS: dict[str, tuple[int, pa.Schema]] = {
         ("completion", pa.string()),
         ("completion_token_ids", pa.list_(pa.int32())),
         ("completion_logprobs", pa.list_(pa.float32())),  # sampler's log-probs (diagnostics)
+        ("completion_token_ends", pa.list_(pa.int32())),  # per token: chars of `completion` complete once it
+                                                          # is in (special tokens add 0, a split UTF-8 char
+                                                          # counts at its last token); sampling.token_char_ends
         ("finish_reason", pa.string()),             # stop | length
         ("prompt_len", pa.int32()),
         ("completion_len", pa.int32()),

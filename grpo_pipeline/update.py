@@ -195,7 +195,8 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         precomputed (N, C_max) log-probs from :func:`rollout_logprobs` (then the caller can free it).
     optimizer : carried over from the previous iteration (else a new AdamW over ``model``).
     start_step : global optimizer steps already taken (learning-rate schedule, shuffling seed).
-    max_tokens : Dr. GRPO's constant normaliser (default ``cfg.max_tokens`` or the longest completion).
+    max_tokens : Dr. GRPO's constant normaliser when ``cfg.max_tokens`` is null (the stage passes the
+        sampler's ``max_new_tokens``); ``cfg.max_tokens`` wins; neither: the longest completion.
     ctx : this process's place in a distributed run (default: one process).
     """
     if not rollouts:
@@ -213,7 +214,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = optimizer or make_optimizer(params, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, start_step))
-    max_tokens = max_tokens or cfg.max_tokens or max(len(r.completion_ids) for r in rollouts)
+    max_tokens = cfg.max_tokens or max_tokens or max(len(r.completion_ids) for r in rollouts)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -32,11 +32,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def params(args: argparse.Namespace):
-    """Validate the whole params file (a typo anywhere fails fast, naming the key)."""
+def params(args: argparse.Namespace, *sections: str):
+    """Validate the whole params file (a typo anywhere fails fast, naming the key), and the registered
+    names (estimators, losses, rewards, ...) of the ``sections`` this stage reads."""
     from grpo_pipeline.config import ParamsError, load_params
 
     try:
-        return load_params(args.params)
+        return load_params(args.params, sections=sections)
     except ParamsError as e:
         sys.exit(f"error: {e}")

@@ -9,7 +9,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--metrics", default=None)
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "advantage")
     from grpo_pipeline.run import advantage
 
     advantage.run(cfg.advantage, scores=args.scores, out=args.out, metrics_path=args.metrics)

@@ -7,7 +7,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "base")
     from grpo_pipeline.run import base
 
     base.run(cfg.base, out=args.out)

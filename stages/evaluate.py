@@ -12,11 +12,11 @@ def main() -> None:
     p.add_argument("--metrics", default=None)
     p.add_argument("--n-prompts", type=int, default=0, help="first n eval prompts (0: evaluate.n_prompts, else all)")
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "evaluate", "sampling")
     from grpo_pipeline.run import evaluate
 
-    evaluate.run(cfg.evaluate, cfg.sampling, name=args.name, checkpoint=args.checkpoint, prompts=args.prompts,
-                 out=args.out, metrics_path=args.metrics, n_prompts=args.n_prompts)
+    evaluate.run(cfg.evaluate, cfg.sampling, cfg.reward, name=args.name, checkpoint=args.checkpoint,
+                 prompts=args.prompts, out=args.out, metrics_path=args.metrics, n_prompts=args.n_prompts)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--metrics", default=None)
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "sampling")
     from grpo_pipeline.run import sample
 
     sample.run(cfg.sampling, iteration=args.iteration, index=args.index, policy=args.policy,

@@ -10,7 +10,7 @@ def main() -> None:
     p.add_argument("--prompts", default=None, help="prompts file: coding rows' hidden tests, joined on prompt_id")
     p.add_argument("--metrics", default=None)
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "reward")
     from grpo_pipeline.run import score
 
     score.run(cfg.reward, rollouts=args.rollouts, out=args.out, metrics_path=args.metrics,

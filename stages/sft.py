@@ -10,7 +10,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--metrics", default=None)
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "sft")
     from grpo_pipeline.run import sft
 
     sft.run(cfg.sft, base=args.base, prompts=args.prompts, out=args.out, metrics_path=args.metrics)

@@ -22,7 +22,7 @@ def main() -> None:
     p.add_argument("--metrics", default=None)
     p.add_argument("--steps", default=None, help="per-optimizer-step metrics (DVC plot)")
     args = p.parse_args()
-    cfg = params(args)
+    cfg = params(args, "update")
     from grpo_pipeline import distributed
 
     if cfg.update.distributed.strategy != "none" and not distributed.launched():

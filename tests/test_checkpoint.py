@@ -1,4 +1,4 @@
-"""Tests for grpo_pipeline.checkpoint on the tiny random Llama (tests/tiny.py); the real GGUF only under -m slow."""
+"""Tests for grpo_pipeline.checkpoint and .base_import on the tiny random Llama (tests/tiny.py); the real GGUF only under -m slow."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from grpo_pipeline import checkpoint as ckpt
+from grpo_pipeline import base_import as ckpt
+from grpo_pipeline.base_import import find_packaged_file, import_base
 from grpo_pipeline.checkpoint import (
     METADATA_FILE,
-    find_packaged_file,
-    import_base,
     load_model,
     load_tokenizer,
     read_checkpoint_metadata,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from grpo_pipeline import schemas, template
 from grpo_pipeline.coding import FAMILIES, TASK_COLUMNS, add_task_columns, generate_tasks, load_tasks, split_tests
-from grpo_pipeline.config import DataConfig, RewardConfig
+from grpo_pipeline.config import DataConfig, Params, RewardConfig, check_names
 from grpo_pipeline.data import generate_problems
 from grpo_pipeline.rewards import code as code_reward
 from grpo_pipeline.rewards import score_frame
@@ -74,8 +74,8 @@ def test_references_pass_and_a_constant_fails_in_the_sandbox(tasks):
 def test_unknown_family_lists_valid_ones():
     with pytest.raises(ValueError, match=r"Unknown coding task families \['sort'\].*'add_k'"):
         generate_tasks(n=2, families=["sort"])
-    with pytest.raises(ValueError, match="coding_kinds has unknown families"):
-        DataConfig(task="coding", coding_kinds=["sort"])
+    with pytest.raises(ValueError, match=r"data.coding_kinds: unknown name\(s\) \['sort'\]; registered: .*'add_k'"):
+        check_names(Params(data=DataConfig(task="coding", coding_kinds=["sort"])), ["data"])
 
 
 # --------------------------------------------------------------------------- HumanEval / MBPP tests
@@ -257,7 +257,7 @@ def test_score_stage_joins_tests_from_prompts(tmp_path, tasks):
         for j, text in enumerate([f"<think>a</think><answer>{p['answer']}</answer>", "<answer>x = (</answer>"]):
             rows.append({"iteration": "it0", "prompt_id": p["prompt_id"], "sample_idx": j, "question": p["question"],
                          "answer": p["answer"], "operation": None, "prompt": "", "prompt_token_ids": [1],
-                         "completion": text, "completion_token_ids": [1], "completion_logprobs": [0.0],
+                         "completion": text, "completion_token_ids": [1], "completion_logprobs": [0.0], "completion_token_ends": [len(text)],
                          "finish_reason": "stop", "prompt_len": 1, "completion_len": 1, "policy": "m"})
     schemas.write_table(pl.DataFrame(rows), tmp_path / "ro" / "part-00000.parquet", "rollouts")
     m = score.run(TESTS, rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None,

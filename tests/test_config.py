@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_pipeline.config import ParamsError, load_params
+from grpo_pipeline.config import SECTIONS, Params, ParamsError, Section, load_params
 from grpo_pipeline.iterations import MARKER, rewrite, table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,15 +50,55 @@ def test_typo_suggests_the_right_key(tmp_path):
         ({"update": {"epsilon": 1.5}}, ["update.epsilon", "less than 1"]),
         ({"advantage": {"std": "unbiased"}}, ["advantage.std", "population"]),
         ({"update": {"minibatch_size": 10, "micro_batch_size": 4}}, ["multiple"]),
-        ({"reward": {"weights": {"acuracy": 1.0}}}, ["acuracy", "known"]),
+        ({"reward": {"weights": {"acuracy": 1.0}}}, ["reward.weights", "acuracy", "registered", "tests"]),
+        ({"update": {"kl_estimator": "k4"}}, ["update.kl_estimator", "k3"]),
         ({"data": {"source": "file"}}, ["data.path"]),
+        ({"data": {"coding_kinds": ["nope"]}}, ["data.coding_kinds", "nope"]),
     ],
 )
 def test_bad_values_name_the_range(tmp_path, obj, words):
     with pytest.raises(ParamsError) as e:
-        load_params(write(tmp_path, obj))
+        load_params(write(tmp_path, obj), sections=list(obj))
     for w in words:
         assert w in str(e.value)
+
+
+def _walk(model: type[Section], raw: dict, where: str) -> list[str]:
+    """Differences between a params.yaml section and the schema's defaults, recursing into sub-sections."""
+    diffs = [f"{where}.{k}: in the file, not in the schema" for k in raw if k not in model.model_fields]
+    for name, field in model.model_fields.items():
+        key = f"{where}.{name}"
+        if name not in raw:
+            diffs.append(f"{key}: missing from params.yaml (schema default {field.default!r})")
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            diffs += _walk(field.annotation, raw[name], key)
+        elif raw[name] != model().model_dump()[name]:
+            diffs.append(f"{key}: params.yaml {raw[name]!r} != config.py default {model().model_dump()[name]!r}")
+    return diffs
+
+
+def test_params_file_and_schema_defaults_agree_key_for_key():
+    """One home for every default: params.yaml holds every key the stages read, each with the schema's default."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    diffs = [f"{s}: section missing" for s in SECTIONS if s not in raw]
+    for section, field in Params.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Section) and section in raw:
+            diffs += _walk(field.annotation, raw[section], section)
+    assert not diffs, "\n".join(diffs)
+    assert Params.model_validate(raw).model_dump(exclude={"iterations", "evaluations"}) == \
+        Params().model_dump(exclude={"iterations", "evaluations"})
+
+
+def test_a_newly_registered_name_is_accepted(tmp_path, monkeypatch):
+    from grpo_pipeline import advantages, losses
+
+    path = write(tmp_path, {"advantage": {"estimator": "mine"}, "update": {"aggregation": "my_agg"}})
+    with pytest.raises(ParamsError, match=r"advantage.estimator: unknown name\(s\) \['mine'\]; registered: \['grpo'"):
+        load_params(path, sections=["advantage"])
+    monkeypatch.setitem(advantages.ESTIMATORS, "mine", advantages.ESTIMATORS["grpo"])
+    monkeypatch.setitem(losses.AGGREGATIONS, "my_agg", losses.AGGREGATIONS["token_mean"])
+    assert load_params(path, sections=["advantage", "update"]).advantage.estimator == "mine"
+    load_params(path)  # sections not read are not checked (a stage imports only its own registries)
 
 
 def test_bad_yaml_and_missing_file(tmp_path):

@@ -71,27 +71,25 @@ def test_advantage_stage_filters_groups_and_tops_up_from_spares(tmp_path):
     assert m["dynamic/surplus_groups"] == len(informative) - 3
     assert json.loads((tmp_path / "m.json").read_text())["dynamic/kept_groups"] == 3
     # without the filter, nothing is masked and the advantages themselves are the same
-    plain = advantage.run(AdvantageConfig(), scores=str(tmp_path / "s.parquet"), out=str(tmp_path / "b.parquet"),
+    plain = advantage.run(AdvantageConfig(filter_groups=False), scores=str(tmp_path / "s.parquet"), out=str(tmp_path / "b.parquet"),
                           metrics_path=None)
     assert "dynamic/kept_groups" not in plain
     np.testing.assert_array_equal(schemas.read_table(tmp_path / "b.parquet", "advantages")["advantage"].to_numpy(),
                                   adv["advantage"].to_numpy())
 
 
-def test_overlong_filter_leaves_truncated_rows_out(tmp_path, tiny_model):
-    from grpo_pipeline.checkpoint import load_tokenizer
+def test_overlong_filter_leaves_truncated_rows_out(tmp_path):
     from grpo_pipeline.run.update import load_rollouts
 
     ro = rollouts(n_prompts=2, g=4, seed=1).with_columns(
         finish_reason=pl.Series(["stop", "length", "stop", "stop", "length", "stop", "stop", "stop"]))
     schemas.write_table(ro, tmp_path / "ro/part-00000.parquet", "rollouts")
     score.run(RewardConfig(), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None)
-    advantage.run(AdvantageConfig(), scores=str(tmp_path / "s.parquet"), out=str(tmp_path / "a.parquet"),
+    advantage.run(AdvantageConfig(filter_groups=False), scores=str(tmp_path / "s.parquet"), out=str(tmp_path / "a.parquet"),
                   metrics_path=None)
-    tok = load_tokenizer(tiny_model)
-    rows, left, _ = load_rollouts(str(tmp_path / "ro"), str(tmp_path / "a.parquet"), tok)
+    rows, left, _ = load_rollouts(str(tmp_path / "ro"), str(tmp_path / "a.parquet"))
     assert len(rows) == 8 and left == {"masked": 0, "overlong_masked": 0}
-    rows, left, _ = load_rollouts(str(tmp_path / "ro"), str(tmp_path / "a.parquet"), tok, overlong_filter=True)
+    rows, left, _ = load_rollouts(str(tmp_path / "ro"), str(tmp_path / "a.parquet"), overlong_filter=True)
     assert [r.key for r in rows] == ["p000/0", "p000/2", "p000/3", "p001/1", "p001/2", "p001/3"]
     assert left == {"masked": 0, "overlong_masked": 2}
 

@@ -3,7 +3,9 @@
 import polars as pl
 import pytest
 
-from grpo_pipeline.run.evaluate import eval_metrics, judge, pass_at_k
+from grpo_pipeline import config
+from grpo_pipeline.config import RewardConfig
+from grpo_pipeline.run.evaluate import eval_metrics, eval_rewards, judge, pass_at_k
 
 # (completion, reference, accuracy, format) — checked by hand
 CASES = [
@@ -24,7 +26,7 @@ def test_judge_matches_hand_checked_verdicts():
                        "operation": [None] * len(CASES), "completion_len": [10] * len(CASES),
                        "finish_reason": ["stop"] * (len(CASES) - 1) + ["length"]},
                       schema_overrides={"sample_idx": pl.Int32, "operation": pl.Utf8})
-    out = judge(df)
+    out = judge(df, RewardConfig())
     assert out["accuracy"].to_list() == [c[2] for c in CASES]
     assert out["format"].to_list() == [c[3] for c in CASES]
     m = eval_metrics(out)
@@ -53,6 +55,18 @@ def test_judge_coding_rows_run_the_hidden_tests_all_or_nothing():
                        "operation": [None] * len(rows), "tests": [r[1] for r in rows],
                        "entry_point": ["add"] * 4 + [None]},
                       schema_overrides={"sample_idx": pl.Int32, "operation": pl.Utf8, "tests": pl.List(pl.Utf8)})
-    out = judge(df)
+    out = judge(df, RewardConfig())
     assert out["accuracy"].to_list() == [r[2] for r in rows]
     assert out["format"].to_list() == [r[3] for r in rows]
+
+
+def test_evaluate_takes_the_reward_config():
+    """reward.tests limits and reward.rel_tol reach the judge; tests stay all or nothing."""
+    cfg = RewardConfig(rel_tol=0.01, tests=config.TestsRewardConfig(timeout_s=7.0, memory_mb=512))
+    judged = eval_rewards(cfg, coding=True)
+    assert judged.tests.timeout_s == 7.0 and judged.tests.memory_mb == 512 and judged.tests.all_or_nothing
+    assert judged.rel_tol == 0.01 and judged.step_scorer is None and judged.weights["tests"] == 1.0
+    df = pl.DataFrame({"prompt_id": ["p"], "sample_idx": [0], "completion": ["<think>x</think><answer>1.51</answer>"],
+                       "answer": ["3/2"], "operation": [None]}, schema_overrides={"sample_idx": pl.Int32,
+                                                                               "operation": pl.Utf8})
+    assert judge(df, cfg)["accuracy"].item() == 1.0 and judge(df, RewardConfig())["accuracy"].item() == 0.0

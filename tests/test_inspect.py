@@ -22,7 +22,7 @@ def data(tmp_path):
                     "iteration": it, "prompt_id": f"{it}-p{p}", "sample_idx": k, "question": f"Q{p}?",
                     "answer": "12", "operation": "mul", "prompt": "...", "prompt_token_ids": [1, 2],
                     "completion": "<think>3 * 4 = 12</think><answer>12</answer>" if good else "no idea " * 3,
-                    "completion_token_ids": [3, 4], "completion_logprobs": [-1.0, -2.0],
+                    "completion_token_ids": [3, 4], "completion_logprobs": [-1.0, -2.0], "completion_token_ends": [1, 2],
                     "finish_reason": "stop" if good else "length", "prompt_len": 2, "completion_len": 2,
                     "policy": "models/sft",
                 })

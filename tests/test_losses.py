@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -9,14 +10,18 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from grpo_pipeline import losses
+from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     get_aggregation,
     get_kl_estimator,
-    grpo_loss,
-    token_logprobs,
 )
+
+_U = UpdateConfig()  # grpo_loss takes every setting; these tests use params.yaml's defaults unless they say
+grpo_loss = functools.partial(losses.grpo_loss, eps_low=_U.epsilon, beta=_U.beta, kl_estimator=_U.kl_estimator,
+                              aggregation=_U.aggregation)
 
 AGGS = ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
 ESTS = ["k1", "k2", "k3"]
@@ -243,55 +248,6 @@ def test_masked_positions_have_no_effect(garbage):
         outs.append((loss, grad, metrics))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert all(torch.equal(outs[0][2][k], outs[1][2][k]) for k in outs[0][2])
-
-
-# --------------------------------------------------------------------------- token_logprobs
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_token_logprobs_matches_full_log_softmax(chunk_size, dtype):
-    g = torch.Generator().manual_seed(9)
-    logits = (4 * torch.randn(3, 5, 11, generator=g)).to(dtype)
-    labels = torch.randint(0, 11, (3, 5), generator=g)
-    leaf = logits.clone().requires_grad_(True)
-    logp, ent = token_logprobs(leaf, labels, chunk_size=chunk_size)
-    ref_leaf = logits.clone().requires_grad_(True)
-    full = torch.log_softmax(ref_leaf.to(torch.promote_types(dtype, torch.float32)), dim=-1)  # (B, T, V)
-    want = full.gather(-1, labels[..., None]).squeeze(-1)
-    want_ent = -(full.exp() * full).sum(-1)
-    assert logp.shape == labels.shape and logp.dtype == want.dtype and ent.dtype == want.dtype
-    torch.testing.assert_close(logp, want, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
-    torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
-    (logp.sum() + 0.5 * ent.sum()).backward()
-    (want.sum() + 0.5 * want_ent.sum()).backward()
-    torch.testing.assert_close(leaf.grad, ref_leaf.grad)
-
-
-@pytest.mark.parametrize("chunk_size", [1, 4, 6])
-def test_token_logprobs_never_log_softmaxes_more_than_a_chunk(monkeypatch, chunk_size):
-    seen = []
-    real = torch.log_softmax
-
-    def spy(x, *args, **kwargs):
-        seen.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "log_softmax", spy)
-    logits = torch.randn(2, 7, 5, dtype=torch.bfloat16)
-    token_logprobs(logits, torch.zeros(2, 7, dtype=torch.long), chunk_size=chunk_size)
-    assert sum(seen) == 14 and max(seen) <= chunk_size
-
-
-@pytest.mark.parametrize(
-    ("logits", "labels", "match"),
-    [
-        (torch.randn(2, 3, 4), torch.full((2, 3), -100), r"labels must lie in \[0, 4\)"),
-        (torch.randn(2, 3, 4), torch.full((2, 3), 4), r"labels must lie in \[0, 4\)"),
-        (torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long), "expected logits"),
-    ],
-)
-def test_token_logprobs_rejects_bad_input(logits, labels, match):
-    with pytest.raises(ValueError, match=match):
-        token_logprobs(logits, labels)
 
 
 # --------------------------------------------------------------------------- registries and errors

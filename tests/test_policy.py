@@ -6,7 +6,7 @@ import torch
 
 from grpo_pipeline.checkpoint import load_model, load_tokenizer
 from grpo_pipeline.config import SFTConfig, UpdateConfig
-from grpo_pipeline.policy import collate, completion_logprobs
+from grpo_pipeline.policy import collate, completion_logprobs, token_logprobs
 from grpo_pipeline.sft import build_demonstrations, sft_loss, train_sft
 from grpo_pipeline.update import NonFiniteError, Rollout, train
 
@@ -137,3 +137,52 @@ def test_sft_coding_demos_use_the_coding_instruction_and_skip_rows_without_refer
     prompt = tok.decode(demos[0][0])
     assert CODING_SYSTEM_PROMPT[:40] in prompt and tasks["question"][0][:30] in prompt
     assert "</answer>" in tok.decode(demos[0][1]) and tasks["answer"][0] in tok.decode(demos[0][1])
+
+
+# --------------------------------------------------------------------------- token_logprobs
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_token_logprobs_matches_full_log_softmax(chunk_size, dtype):
+    g = torch.Generator().manual_seed(9)
+    logits = (4 * torch.randn(3, 5, 11, generator=g)).to(dtype)
+    labels = torch.randint(0, 11, (3, 5), generator=g)
+    leaf = logits.clone().requires_grad_(True)
+    logp, ent = token_logprobs(leaf, labels, chunk_size=chunk_size)
+    ref_leaf = logits.clone().requires_grad_(True)
+    full = torch.log_softmax(ref_leaf.to(torch.promote_types(dtype, torch.float32)), dim=-1)  # (B, T, V)
+    want = full.gather(-1, labels[..., None]).squeeze(-1)
+    want_ent = -(full.exp() * full).sum(-1)
+    assert logp.shape == labels.shape and logp.dtype == want.dtype and ent.dtype == want.dtype
+    torch.testing.assert_close(logp, want, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5)
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    (want.sum() + 0.5 * want_ent.sum()).backward()
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 6])
+def test_token_logprobs_never_log_softmaxes_more_than_a_chunk(monkeypatch, chunk_size):
+    seen = []
+    real = torch.log_softmax
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "log_softmax", spy)
+    logits = torch.randn(2, 7, 5, dtype=torch.bfloat16)
+    token_logprobs(logits, torch.zeros(2, 7, dtype=torch.long), chunk_size=chunk_size)
+    assert sum(seen) == 14 and max(seen) <= chunk_size
+
+
+@pytest.mark.parametrize(
+    ("logits", "labels", "match"),
+    [
+        (torch.randn(2, 3, 4), torch.full((2, 3), -100), r"labels must lie in \[0, 4\)"),
+        (torch.randn(2, 3, 4), torch.full((2, 3), 4), r"labels must lie in \[0, 4\)"),
+        (torch.randn(2, 3, 4), torch.zeros(2, 4, dtype=torch.long), "expected logits"),
+    ],
+)
+def test_token_logprobs_rejects_bad_input(logits, labels, match):
+    with pytest.raises(ValueError, match=match):
+        token_logprobs(logits, labels)

@@ -212,7 +212,8 @@ def test_score_stage_survives_hostile_batch(tmp_path):
     texts = [f"<answer>{HACKS[k]}</answer>" for k in picks] + [f"<answer>{REF}</answer>"]
     rows = [{"iteration": "it0", "prompt_id": "t", "sample_idx": j, "question": "q", "answer": REF, "operation": None,
              "prompt": "", "prompt_token_ids": [1], "completion": t, "completion_token_ids": [1],
-             "completion_logprobs": [0.0], "finish_reason": "stop", "prompt_len": 1, "completion_len": 1,
+             "completion_logprobs": [0.0], "completion_token_ends": [len(t)], "finish_reason": "stop", "prompt_len": 1,
+             "completion_len": 1,
              "policy": "m"} for j, t in enumerate(texts)]
     schemas.write_table(pl.DataFrame(rows), tmp_path / "ro" / "part-00000.parquet", "rollouts")
     score.run(CFG, rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None,

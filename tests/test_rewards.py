@@ -17,7 +17,7 @@ from grpo_pipeline.rewards.parse import extract_answer, normalize_series, normal
 from grpo_pipeline.rewards.rowwise import accuracy_row, format_row
 from grpo_pipeline.rewards.rules import accuracy_fast, format_reward
 
-NO_STEPS = {"step_scorer": None}
+NO_STEPS = {"step_scorer": None, "weights": {"accuracy": 1.0, "format": 1.0, "reasoning": 0.0}}
 
 
 def frame(completions, answers=None, operations=None, **extra) -> pl.DataFrame:
@@ -296,9 +296,9 @@ def test_score_frame_columns_and_weighted_sum():
     assert acc == [1.0, 1.0, 0.0, 0.0] and fmt == [1.0, 1.0, 1.0, 0.0] and rea == [1.0, 1.0, 0.0, None]
     expected = [None if r is None else 2 * a + 0.5 * f + r for a, f, r in zip(acc, fmt, rea, strict=True)]
     assert out["reward"].to_list() == expected  # the weighted reasoning is null in the last row
-    assert metrics["rewards/accuracy/mean"] == pytest.approx(0.5)
-    assert metrics["rewards/reasoning/null"] == 1 and metrics["reward/null"] == 1
-    assert metrics["reward/mean"] == pytest.approx(sum(expected[:3]) / 3)
+    assert metrics["accuracy/mean"] == pytest.approx(0.5)
+    assert metrics["reasoning/nulls"] == 1 and metrics["total/nulls"] == 1
+    assert metrics["total/mean"] == pytest.approx(sum(expected[:3]) / 3)
 
 
 def test_zero_weight_null_component_does_not_null_reward():
@@ -309,7 +309,7 @@ def test_zero_weight_null_component_does_not_null_reward():
 
 def test_empty_frame():
     out, metrics = score_frame(frame([]), RewardConfig())
-    assert out.height == 0 and metrics["rows"] == 0 and metrics["reward/mean"] is None
+    assert out.height == 0 and metrics["rows"] == 0 and metrics["total/mean"] is None
 
 
 @pytest.mark.parametrize(
@@ -395,7 +395,7 @@ def test_nan_is_an_error_none_is_not_applicable(user_module):
     out, metrics = score_frame(frame(["ok", "BAD", "SKIP"]), custom_cfg("nan_or_none", share=0.5))
     assert out["reward_mine"].to_list() == [0.5, None, None]
     assert out["reward_error"].to_list() == [None, "mine: ValueError: returned nan", None]
-    assert metrics["rewards/mine/errors"] == 1 and metrics["rewards/mine/null"] == 2
+    assert metrics["rewards/mine/errors"] == 1 and metrics["mine/nulls"] == 2
 
 
 def test_wrong_batch_length_falls_back_per_row(user_module):

@@ -18,14 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_pipeline import schemas
+from grpo_pipeline import sampling, schemas
 from grpo_pipeline.config import SamplingConfig
 from grpo_pipeline.data import generate_problems
 from grpo_pipeline.run import sample as stage
 from grpo_pipeline.sampling import (
     HFBackend,
     Request,
-    RolloutStats,
     SamplingSpec,
     cut_after_stop,
     filter_logits,
@@ -42,7 +41,7 @@ def problems(n: int, seed: int = 0) -> pl.DataFrame:
 
 
 def cfg(**kw) -> SamplingConfig:
-    base = {"prompts_per_iteration": N_PROMPTS, "group_size": G, "max_new_tokens": 16, "dtype": "float32",
+    base = {"prompts_per_iteration": N_PROMPTS, "spare_prompts": 0, "group_size": G, "max_new_tokens": 16, "dtype": "float32",
             "max_model_len": 512, "stop": [" "], "batch_prompts": 4, "kv_cache_gib": 0.25, "hf_batch_size": G}
     return SamplingConfig(**{**base, **kw})
 
@@ -128,6 +127,10 @@ def test_stage_rows_schema_metadata_and_decoding(tiny_vllm, tiny_model, prompts_
         lps = r["completion_logprobs"]
         assert len(lps) == r["completion_len"] and all(math.isfinite(v) and v <= 0 for v in lps)
         assert r["policy"] == tiny_model and r["iteration"] == "it0"
+        ids, ends = r["completion_token_ids"], r["completion_token_ends"]  # chars complete after each token
+        want = [min(len(tok.decode(ids[: t + 1], skip_special_tokens=True).rstrip("\ufffd")), len(r["completion"]))
+                for t in range(len(ids))]
+        assert ends == want
     printed = capsys.readouterr().out
     for key in ("completion_tokens_per_s", "completion_len_mean", "completion_len_max", "truncated_share",
                 "engine_startup_s"):
@@ -264,6 +267,7 @@ class Interrupting:
 
     def __init__(self, inner, at: int) -> None:
         self.inner, self.at, self.calls, self.startup_s = inner, at, 0, 0.0
+        self.tokenizer = inner.tokenizer
 
     def versions(self):
         return self.inner.versions()
@@ -324,7 +328,7 @@ def test_checkpoint_without_tokenizer_is_a_clear_error(backend, tiny_model, prom
         stage.run(c, iteration="it0", index=0, policy=str(broken), prompts_path=prompts_file,
                   out=str(tmp_path / "o"), metrics_path=None)
     with pytest.raises(FileNotFoundError, match="tokenizer"):  # the backend alone checks before starting
-        stage.backend_for(c, str(broken))
+        sampling.backend_for(c, str(broken))
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -384,8 +388,8 @@ def test_greedy_group_and_bad_config_are_errors():
 
 
 def test_rollout_stats_merge_takes_slowest_worker():
-    a, b = RolloutStats(completions=4, completion_tokens=40, max_len=12, truncated=1, seconds=2.0), \
-        RolloutStats(completions=4, completion_tokens=20, max_len=9, truncated=3, seconds=1.0)
+    a, b = stage.RolloutStats(completions=4, completion_tokens=40, max_len=12, truncated=1, seconds=2.0), \
+        stage.RolloutStats(completions=4, completion_tokens=20, max_len=9, truncated=3, seconds=1.0)
     a.merge(b)
     m = a.as_metrics()
     assert m["completion_tokens_per_s"] == 30.0 and m["completion_len_max"] == 12 and m["truncated_share"] == 0.5

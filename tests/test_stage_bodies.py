@@ -24,6 +24,7 @@ def rollouts(n_prompts=7, g=4, seed=0) -> pl.DataFrame:
             rows.append({"iteration": "it0", "prompt_id": f"p{p:03d}", "sample_idx": k, "question": "3*4?",
                          "answer": "12", "operation": "mul", "prompt": "q", "prompt_token_ids": [1],
                          "completion": comp, "completion_token_ids": [2, 3], "completion_logprobs": [-1.0, -1.0],
+                         "completion_token_ends": [1, len(comp)],
                          "finish_reason": "stop", "prompt_len": 1, "completion_len": 2, "policy": "m"})
     return pl.DataFrame(rows, schema_overrides={"sample_idx": pl.Int32})
 
@@ -31,7 +32,7 @@ def rollouts(n_prompts=7, g=4, seed=0) -> pl.DataFrame:
 @pytest.fixture()
 def scored(tmp_path):
     schemas.write_table(rollouts(), tmp_path / "ro/part-00000.parquet", "rollouts")
-    score.run(RewardConfig(), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "scores.parquet"),
+    score.run(RewardConfig(weights={"accuracy": 1.0, "format": 1.0}), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "scores.parquet"),
               metrics_path=str(tmp_path / "score.json"), batch_rows=5)
     return tmp_path
 
@@ -47,10 +48,11 @@ def test_score_stage_streams_and_reports(scored):
 @pytest.mark.parametrize("batch_rows", [1, 3, 5, 1000])
 def test_advantage_stage_streaming_equals_all_at_once(scored, batch_rows):
     out = scored / f"adv{batch_rows}.parquet"
-    m = advantage.run(AdvantageConfig(), scores=str(scored / "scores.parquet"), out=str(out),
+    cfg = AdvantageConfig(filter_groups=False)
+    m = advantage.run(cfg, scores=str(scored / "scores.parquet"), out=str(out),
                       metrics_path=None, batch_rows=batch_rows)
     got = schemas.read_table(out, "advantages")
-    want, wm = compute_advantages(schemas.read_table(scored / "scores.parquet", "scores"), AdvantageConfig())
+    want, wm = compute_advantages(schemas.read_table(scored / "scores.parquet", "scores"), cfg)
     assert got["prompt_id"].to_list() == want["prompt_id"].to_list()
     np.testing.assert_allclose(got["advantage"].to_numpy(), want["advantage"].to_numpy(), atol=1e-12)
     assert m["advantage/groups"] == 7 and m["advantage/abs_mean"] == pytest.approx(wm["advantage/abs_mean"], abs=1e-6)
@@ -67,7 +69,7 @@ def test_whole_groups_rejects_interleaved_groups():
 def test_empty_and_corrupt_inputs_write_nothing(tmp_path):
     schemas.write_table(rollouts().head(0), tmp_path / "ro/part-00000.parquet", "rollouts")
     with pytest.raises(ValueError, match="no rollouts to score"):
-        score.run(RewardConfig(), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None)
+        score.run(RewardConfig(weights={"accuracy": 1.0, "format": 1.0}), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None)
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(schemas.SchemaError, match="bad.parquet"):
         advantage.run(AdvantageConfig(), scores=str(tmp_path / "bad.parquet"), out=str(tmp_path / "a.parquet"),

@@ -140,12 +140,13 @@ def test_score_frame_steps_column():
     out, metrics = score_frame(df, RewardConfig())
     assert out.schema["steps"] == pl.List(pl.Struct({"start": pl.Int32, "end": pl.Int32, "reward": pl.Float64}))
     steps = out["steps"].to_list()
-    assert [s["reward"] for s in steps[0]] == [1.0, 0.0, None]
-    assert steps[1] == []
+    acc = out["reward_accuracy"].to_list()
+    assert [s["reward"] for s in steps[0]] == [1.0, 0.0, None, acc[0]]  # reasoning steps, then the answer
+    assert steps[1] == [{"start": 8, "end": 8, "reward": acc[1]}]      # no <answer>: an empty answer step at the end
     c = df["completion"][2]
-    assert [c[s["start"]:s["end"]] for s in steps[2]] == ["每个苹果的价格：10 / 4 = 2.5"]
-    assert metrics["steps/per_completion"] == pytest.approx(4 / 3)
-    assert metrics["steps/null_share"] == pytest.approx(1 / 4)
+    assert [c[s["start"]:s["end"]] for s in steps[2]] == ["每个苹果的价格：10 / 4 = 2.5", "<answer>2.5</answer>"]
+    assert metrics["steps/per_completion"] == pytest.approx(7 / 3)
+    assert metrics["steps/null_share"] == pytest.approx(1 / 7)
 
 
 def test_no_step_scorer_gives_empty_lists():
@@ -181,13 +182,14 @@ def prm_module(monkeypatch):
 def test_plugged_scorer_through_module_function(prm_module):
     df = frame(["<think>ab\n中文字</think>", "x", "<think>a\nbb\nccc</think>"])
     out, _ = score_frame(df, RewardConfig(step_scorer="my_prm:lengths"))
-    assert [[s["reward"] for s in row] for row in out["steps"].to_list()] == [[2.0, 3.0], [], [1.0, 2.0, 3.0]]
+    reasoning = [[s["reward"] for s in row[:-1]] for row in out["steps"].to_list()]  # last: the answer step
+    assert reasoning == [[2.0, 3.0], [], [1.0, 2.0, 3.0]]
 
 
 def test_plugged_scorer_failures_are_isolated(prm_module):
     df = frame(["<think>a\nb</think>", "<think>BAD</think>", "<think>c</think>"])
     out, metrics = score_frame(df, RewardConfig(step_scorer="my_prm:picky", max_error_share=0.5))
-    assert [[s["reward"] for s in row] for row in out["steps"].to_list()] == [[1.0, 1.0], [None], [1.0]]
+    assert [[s["reward"] for s in row[:-1]] for row in out["steps"].to_list()] == [[1.0, 1.0], [None], [1.0]]
     assert out["reward_error"].to_list() == [None, "steps: RuntimeError: model failed on p1", None]
     assert metrics["steps/errors"] == 1
 
@@ -196,7 +198,7 @@ def test_plugged_scorer_wrong_shape_is_an_error(prm_module):
     df = frame(["<think>a\nb</think>", "<think>c</think>"])
     out, _ = score_frame(df, RewardConfig(step_scorer="my_prm:misshapen", max_error_share=0.5))
     assert out["reward_error"][0] == "steps: ValueError: returned 1 step rewards for 2 steps"
-    assert out["steps"].to_list()[1] == [{"start": 7, "end": 8, "reward": 1.0}]
+    assert out["steps"].to_list()[1][:-1] == [{"start": 7, "end": 8, "reward": 1.0}]
 
 
 def test_unknown_step_scorer_lists_valid_names():

@@ -68,6 +68,7 @@ def write_stage_inputs(d: Path, rows: list[Rollout], iteration="it0") -> tuple[s
         ro.append({"iteration": iteration, "prompt_id": pid, "sample_idx": int(k), "question": "q", "answer": "1",
                    "operation": None, "prompt": "p", "prompt_token_ids": r.prompt_ids, "completion": "c",
                    "completion_token_ids": r.completion_ids, "completion_logprobs": [0.0] * len(r.completion_ids),
+                   "completion_token_ends": list(range(1, len(r.completion_ids) + 1)),
                    "finish_reason": "stop", "prompt_len": len(r.prompt_ids), "completion_len": len(r.completion_ids),
                    "policy": "x"})
         ad.append({"iteration": iteration, "prompt_id": pid, "sample_idx": int(k), "advantage": r.advantage,
@@ -143,7 +144,8 @@ def test_clipped_tokens_give_no_gradient_through_the_model(tiny_model):
             assert 0 < keep.sum() < b.completion_mask.sum()
             loss = -((r * adv[:, None] * keep).sum(-1) / b.completion_mask.sum(-1)).mean()
         else:
-            loss, m = grpo_loss(logp, old, adv, b.completion_mask, beta=0.0, eps_low=0.2)
+            loss, m = grpo_loss(logp, old, adv, b.completion_mask, beta=0.0, eps_low=0.2, kl_estimator="k3",
+                                 aggregation="seq_mean_token_mean")
             assert m["clip_frac_low"] + m["clip_frac_high"] > 0
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -304,3 +306,18 @@ def test_non_finite_stops_and_writes_nothing(tmp_path, ckpts, adv, match):
     with pytest.raises(NonFiniteError, match=match):
         stage_run(UpdateConfig(**UPD), ckpts, data, out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adv.parquet", "rollouts"]
+
+
+def test_update_max_tokens_wins_over_the_samplers_budget(tmp_path, ckpts):
+    """Dr. GRPO's constant: update.max_tokens when set, else the rollouts' max_new_tokens (8 here).
+
+    First step, ratio 1, beta 0: loss = -1/G sum_i A_i |o_i| / L, so L = 16 halves the loss of L = 8."""
+    rows = rand_rollouts(4, seed=5)
+    data = write_stage_inputs(tmp_path, rows)
+    base = {"aggregation": "seq_mean_token_sum_norm", "beta": 0.0, "minibatch_size": 4, "micro_batch_size": 4}
+    loss = {}
+    for max_tokens in (None, 16):
+        stage_run(UpdateConfig(**base, max_tokens=max_tokens), ckpts, data, tmp_path / f"out{max_tokens}")
+        loss[max_tokens] = json.loads((tmp_path / f"out{max_tokens}.steps.json").read_text())[0]["loss"]
+    want = -sum(r.advantage * len(r.completion_ids) for r in rows) / 4
+    assert loss[None] == pytest.approx(want / 8, rel=1e-5) and loss[16] == pytest.approx(want / 16, rel=1e-5)

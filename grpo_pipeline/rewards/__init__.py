@@ -29,9 +29,9 @@ Example
 >>> df = pl.DataFrame({"prompt_id": ["p0"], "sample_idx": [0],
 ...                    "completion": ["<think>5 / 3 = 1.67</think><answer>1.67</answer>"],
 ...                    "answer": ["1.67"], "operation": ["div"]})
->>> out, metrics = score_frame(df, RewardConfig())
->>> out["reward"].to_list(), out["steps"].to_list()
-([2.0], [[{'start': 7, 'end': 19, 'reward': 1.0}]])
+>>> out, metrics = score_frame(df, RewardConfig(weights={"accuracy": 1.0, "format": 1.0}))
+>>> out["reward"].to_list(), out["steps"].to_list()  # a reasoning step, then the answer
+([2.0], [[{'start': 7, 'end': 19, 'reward': 1.0}, {'start': 27, 'end': 48, 'reward': 1.0}]])
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from grpo_pipeline.config import RewardConfig
 from grpo_pipeline.rewards import code as _code  # noqa: F401 - registers the "tests" rule
 from grpo_pipeline.rewards.custom import load_function, run_custom_reward
 from grpo_pipeline.rewards.rules import REWARD_RULES, get_rule, register_rule
-from grpo_pipeline.rewards.steps import STEP_SCORERS, score_steps, split_steps
+from grpo_pipeline.rewards.steps import STEP_SCORERS, score_steps, split_steps, with_answer_step
 
 __all__ = [
     "REWARD_RULES",
@@ -52,6 +52,7 @@ __all__ = [
     "RewardError",
     "get_rule",
     "register_rule",
+    "reward_metrics",
     "score_frame",
     "split_steps",
 ]
@@ -115,10 +116,6 @@ def _check_error_share(name: str, errors: pl.Series, df: pl.DataFrame, cfg: Rewa
     return n_err
 
 
-def _stats(s: pl.Series) -> tuple[float | None, float | None]:
-    return s.mean(), s.std(ddof=0)  # population std, like the advantage stage's default
-
-
 def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Score completions with the rule, custom and step rewards.
 
@@ -138,10 +135,10 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
         ``frame``: ``prompt_id``, ``sample_idx``, ``reward_accuracy``, ``reward_format``,
         ``reward_reasoning``, ``reward_<custom>`` (Float64, null: errored / not
         applicable), ``reward`` (Float64), ``reward_error`` (Utf8, ``"; "``-joined
-        ``"<name>: <Type>: message"``), ``steps`` (List(Struct{start, end, reward})).
-        ``metrics``: ``rewards/<name>/{mean,std,null,errors}``, ``reward/{mean,std,null}``,
-        ``steps/{per_completion,reward_mean,null_share,errors}``, ``rows``
-        (std is the population std; means skip nulls).
+        ``"<name>: <Type>: message"``), ``steps`` (List(Struct{start, end, reward}): the reasoning
+        steps, then the final answer rewarded by accuracy; empty when ``step_scorer`` is null).
+        ``metrics``: ``rows``, ``rewards/<name>/errors``, ``steps/errors`` (rows on which it failed)
+        and the batch's :func:`reward_metrics`.
 
     Raises
     ------
@@ -171,6 +168,8 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
         errors.append(errs)
         metrics[f"rewards/{c.name}/errors"] = _check_error_share(c.name, errs, df, cfg)
     steps, step_errs = score_steps(df, split=cfg.step_split, scorer=cfg.step_scorer)
+    if cfg.step_scorer is not None:  # the final answer is the last step, rewarded by accuracy
+        steps = with_answer_step(steps, df["completion"], components["accuracy"][0])
     step_errors = pl.Series("error", step_errs, dtype=pl.Utf8)
     metrics["steps/errors"] = _check_error_share("steps", step_errors, df, cfg)
     errors.append(step_errors)
@@ -190,13 +189,31 @@ def score_frame(df: pl.DataFrame, cfg: RewardConfig) -> tuple[pl.DataFrame, dict
         steps=steps,
     )
     out = pl.concat([out, *extras], how="horizontal") if extras else out
-    for name in [*components, None]:
-        col = out[f"reward_{name}" if name else "reward"]
-        key = f"rewards/{name}" if name else "reward"
-        metrics[f"{key}/mean"], metrics[f"{key}/std"] = _stats(col)
-        metrics[f"{key}/null"] = col.null_count()
-    flat = steps.filter(steps.list.len() > 0).explode().struct.field("reward")  # (S,) one per real step
-    metrics["steps/per_completion"] = flat.len() / df.height if df.height else None
-    metrics["steps/reward_mean"] = flat.mean()
-    metrics["steps/null_share"] = flat.null_count() / flat.len() if flat.len() else None
-    return out, metrics
+    return out, {**metrics, **reward_metrics(out)}
+
+
+def reward_metrics(scored: pl.DataFrame | pl.LazyFrame) -> dict[str, Any]:
+    """Statistics of scored completions, one home for them (the score stage runs it once on its whole
+    output file, :func:`score_frame` on its batch): per reward column ``<name>/mean``, ``<name>/std``
+    (population), ``<name>/nulls`` (``total`` for ``reward``), ``errors`` (rows with a
+    ``reward_error``), ``completions``, and with a ``steps`` column ``steps/per_completion``,
+    ``steps/reward_mean``, ``steps/null_share``. Means skip nulls; an empty frame gives None."""
+    lf = scored.lazy()
+    names = lf.collect_schema().names()
+    cols = [c for c in names if c == "reward" or (c.startswith("reward_") and c != "reward_error")]
+    exprs = []
+    for c in cols:
+        name = c.removeprefix("reward_") if c != "reward" else "total"
+        exprs += [pl.col(c).mean().alias(f"{name}/mean"), pl.col(c).std(ddof=0).alias(f"{name}/std"),
+                  pl.col(c).null_count().alias(f"{name}/nulls")]
+    exprs += [pl.col("reward_error").is_not_null().sum().alias("errors"), pl.len().alias("completions")]
+    if "steps" in names:
+        reward = pl.element().struct.field("reward")
+        n_steps = pl.col("steps").list.len().sum()
+        n_valid = pl.col("steps").list.eval(reward.is_not_null()).list.sum().sum()
+        total = pl.col("steps").list.eval(reward.fill_null(0.0)).list.sum().sum()
+        exprs += [pl.when(pl.len() > 0).then(n_steps / pl.len()).alias("steps/per_completion"),
+                  pl.when(n_valid > 0).then(total / n_valid).alias("steps/reward_mean"),
+                  pl.when(n_steps > 0).then((n_steps - n_valid) / n_steps).alias("steps/null_share")]
+    row = lf.select(exprs).collect().row(0, named=True)
+    return {k: (round(float(v), 6) if isinstance(v, float) else (None if v is None else int(v))) for k, v in row.items()}

@@ -10,6 +10,9 @@ surrounding whitespace, empty ones dropped; each step keeps its span
 - ``"sentences"``: split after ``. ! ? 。 ！ ？`` and newlines; a ``.`` followed by a
   digit does not end a sentence (``1.67`` stays whole).
 
+The final answer is a step too (:func:`with_answer_step`, added by the score stage when a step
+scorer is set): from ``<answer>`` to the completion's end, its reward the accuracy reward.
+
 Step scorers, registered by name in :data:`STEP_SCORERS`, work on the exploded
 steps frame (columns ``row``, ``text``) and return one Float64 per step::
 
@@ -61,6 +64,7 @@ __all__ = [
     "register_step_scorer",
     "score_steps",
     "split_steps",
+    "with_answer_step",
 ]
 
 STEP_STRUCT = pl.Struct({"start": pl.Int32, "end": pl.Int32, "reward": pl.Float64})
@@ -116,6 +120,19 @@ def assemble_steps(n: int, steps: pl.DataFrame, rewards: pl.Series) -> pl.Series
     )
     lists = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), structs)
     return pl.Series("steps", lists).cast(pl.List(STEP_STRUCT))
+
+
+def with_answer_step(steps: pl.Series, completion: pl.Series, reward: pl.Series) -> pl.Series:
+    """Append the final answer to each row's steps: span ``[start of "<answer>" (or the end), end of the
+    completion)``, ``reward`` its reward (the accuracy reward; null stays null). Its end is the
+    completion's end, so under process supervision every token gets its normalised reward: a right
+    answer earns advantage."""
+    c = pl.col("completion")
+    answer = pl.DataFrame({"steps": steps, "completion": completion, "r": reward.cast(pl.Float64)}).select(
+        pl.concat_list(pl.col("steps"), pl.struct(
+            start=c.str.splitn("<answer>", 2).struct.field("field_0").str.len_chars().cast(pl.Int32),
+            end=c.str.len_chars().cast(pl.Int32), reward=pl.col("r"))).alias("steps"))
+    return answer["steps"].cast(pl.List(STEP_STRUCT))
 
 
 # ------------------------------------------------------------------ scorers

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo_pipeline.checkpoint import find_packaged_file, import_base
+from grpo_pipeline.base_import import find_packaged_file, import_base
 from grpo_pipeline.config import BaseModelConfig
 from grpo_pipeline.run import summary
 

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -39,55 +39,16 @@ from grpo_pipeline.run import summary
 from grpo_pipeline.sampling import (
     Backend,
     Request,
-    RolloutStats,
     Sample,
     SamplingSpec,
-    make_backend,
-    request_seed,
+    backend_for,
+    build_requests,
     select_prompts,
+    spec_from,
+    token_char_ends,
 )
-from grpo_pipeline.template import render_prompt, task_of
 
 SEED_RULE = "completion k of prompt p: seed request_seed(sampling.seed, iteration, p) + k"
-
-
-def build_requests(prompts: pl.DataFrame, tokenizer, *, iteration: str, seed: int, max_prompt_len: int,
-                   source: str) -> tuple[list[Request], list[str]]:
-    """Tokenised chat prompts, one per row; a prompt too long for the context is an error, never dropped.
-
-    A row's instruction follows its task (``task_of(tests)``: coding when it has tests, else math).
-    """
-    tests = prompts["tests"].to_list() if "tests" in prompts.columns else [None] * prompts.height
-    texts = [render_prompt(tokenizer, q, task=task_of(t)) for q, t in zip(prompts["question"].to_list(), tests)]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    requests = []
-    for pid, toks in zip(prompts["prompt_id"].to_list(), ids):
-        if len(toks) > max_prompt_len:
-            msg = (f"{source}: prompt {pid!r} has {len(toks)} tokens, more than the {max_prompt_len} left for it "
-                   "(sampling.max_model_len - max_new_tokens). "
-                   "Hint: raise sampling.max_model_len or shorten the prompt")
-            raise ValueError(msg)
-        requests.append(Request(pid, list(toks), request_seed(seed, iteration, pid)))
-    return requests, texts
-
-
-def spec_from(cfg: SamplingConfig, *, n: int | None = None, temperature: float | None = None,
-              max_new_tokens: int | None = None) -> SamplingSpec:
-    return SamplingSpec(
-        n=n or cfg.group_size, temperature=cfg.temperature if temperature is None else temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-        max_new_tokens=max_new_tokens or cfg.max_new_tokens, stop=tuple(cfg.stop),
-    )
-
-
-def backend_for(cfg: SamplingConfig, policy: str) -> Backend:
-    return make_backend(
-        cfg.backend, policy, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager, seed=cfg.seed, in_process=cfg.engine_in_process,
-        chunked_prefill=cfg.chunked_prefill, kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=cfg.max_num_seqs,
-        cpu_threads=cfg.cpu_threads, hf_batch_size=cfg.hf_batch_size,
-    )
 
 
 @dataclass
@@ -161,6 +122,45 @@ def run(cfg: SamplingConfig, *, iteration: str, index: int, policy: str, prompts
     return metrics
 
 
+@dataclass
+class RolloutStats:
+    completions: int = 0
+    completion_tokens: int = 0
+    max_len: int = 0
+    truncated: int = 0
+    seconds: float = 0.0         # time inside backend.generate
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def add(self, samples: list[list[Sample]]) -> None:
+        for g in samples:
+            for s in g:
+                self.completions += 1
+                self.completion_tokens += len(s.token_ids)
+                self.max_len = max(self.max_len, len(s.token_ids))
+                self.truncated += s.finish_reason == "length"
+
+    def merge(self, other: RolloutStats) -> None:
+        """Add a parallel worker's counts; ``seconds`` is the slowest worker's (they ran at once)."""
+        self.completions += other.completions
+        self.completion_tokens += other.completion_tokens
+        self.max_len = max(self.max_len, other.max_len)
+        self.truncated += other.truncated
+        self.seconds = max(self.seconds, other.seconds)
+        for k, v in other.extra.items():
+            self.extra[k] = max(self.extra.get(k, v), v)
+
+    def as_metrics(self) -> dict[str, float]:
+        c = max(self.completions, 1)
+        return {
+            "completions": self.completions,
+            "completion_tokens_per_s": round(self.completion_tokens / max(self.seconds, 1e-9), 2),
+            "completion_len_mean": round(self.completion_tokens / c, 2),
+            "completion_len_max": self.max_len,
+            "truncated_share": round(self.truncated / c, 4),
+            **self.extra,
+        }
+
+
 def sample_shard(backend: Backend, shard: Shard, spec: SamplingSpec, *, batch_prompts: int) -> RolloutStats:
     """Generate ``shard``'s groups batch by batch, appending each batch to its Parquet file as a row group."""
     stats = RolloutStats(extra={"engine_startup_s": round(backend.startup_s, 2)})
@@ -173,7 +173,8 @@ def sample_shard(backend: Backend, shard: Shard, spec: SamplingSpec, *, batch_pr
             stats.seconds += time.perf_counter() - t0
             stats.add(samples)
             write(rollout_frame(shard.prompts[lo: lo + batch_prompts], shard.texts[lo: lo + batch_prompts], batch,
-                                samples, iteration=shard.meta["iteration"], policy=shard.meta["policy"]))
+                                samples, iteration=shard.meta["iteration"], policy=shard.meta["policy"],
+                                tokenizer=backend.tokenizer))
     stats.extra["sample_s"] = round(stats.seconds, 3)
     return stats
 
@@ -269,7 +270,7 @@ def run_workers(cfg: SamplingConfig, policy: str, shards: list[Shard], spec: Sam
 
 
 def rollout_frame(prompts: pl.DataFrame, texts: list[str], requests: list[Request], samples: list[list[Sample]], *,
-                  iteration: str, policy: str) -> pl.DataFrame:
+                  iteration: str, policy: str, tokenizer) -> pl.DataFrame:
     """One row per completion, in the rollouts schema (grpo_pipeline/schemas.py); built as Arrow (fast)."""
     g = [len(group) for group in samples]  # completions per prompt
 
@@ -289,6 +290,8 @@ def rollout_frame(prompts: pl.DataFrame, texts: list[str], requests: list[Reques
         "completion": pa.array([s.text for s in flat], pa.string()),
         "completion_token_ids": pa.array([s.token_ids for s in flat], pa.list_(pa.int32())),
         "completion_logprobs": pa.array([s.logprobs for s in flat], pa.list_(pa.float32())),
+        "completion_token_ends": pa.array([token_char_ends(tokenizer, s.token_ids, s.text) for s in flat],
+                                          pa.list_(pa.int32())),
         "finish_reason": pa.array([s.finish_reason for s in flat], pa.string()),
         "prompt_len": pa.array(rep([len(r.prompt_token_ids) for r in requests]), pa.int32()),
         "completion_len": pa.array([len(s.token_ids) for s in flat], pa.int32()),

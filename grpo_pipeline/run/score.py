@@ -7,7 +7,7 @@ import pyarrow as pa
 
 from grpo_pipeline import schemas
 from grpo_pipeline.config import RewardConfig
-from grpo_pipeline.rewards import code, score_frame
+from grpo_pipeline.rewards import code, reward_metrics, score_frame
 from grpo_pipeline.run import summary
 
 SCORE_COLUMNS = ["iteration", "prompt_id", "sample_idx", "completion", "answer", "operation", "question"]
@@ -37,7 +37,7 @@ def run(cfg: RewardConfig, *, rollouts: str, out: str, metrics_path: str | None,
             n += part.height
             write(part)
         _require_values(valued, cfg, rollouts, n)            # inside the writer: no file on failure
-    metrics = {**reward_metrics(out), **code.reason_counts(pl.scan_parquet(out))}
+    metrics = {**reward_metrics(pl.scan_parquet(out)), **code.reason_counts(pl.scan_parquet(out))}
     summary(f"score@{first['iteration'][0]}", metrics, path=metrics_path)
     return metrics
 
@@ -65,17 +65,3 @@ def _score(batch: pl.DataFrame, cfg: RewardConfig, tests: pl.DataFrame | None = 
         batch = code.attach_tests(batch, tests, source=str(prompts))
     scored, _ = score_frame(batch, cfg)
     return scored.with_columns(iteration=pl.lit(batch["iteration"][0]))
-
-
-def reward_metrics(scores_path: str) -> dict:
-    """Mean and std of every reward component, and null / error counts, over the whole file."""
-    lf = pl.scan_parquet(scores_path)
-    cols = [c for c in lf.collect_schema().names() if c == "reward" or (c.startswith("reward_") and c != "reward_error")]
-    exprs = []
-    for c in cols:
-        name = c.removeprefix("reward_") if c != "reward" else "total"
-        exprs += [pl.col(c).mean().alias(f"{name}/mean"), pl.col(c).std(ddof=0).alias(f"{name}/std"),
-                  pl.col(c).null_count().alias(f"{name}/nulls")]
-    exprs += [pl.col("reward_error").is_not_null().sum().alias("errors"), pl.len().alias("completions")]
-    row = lf.select(exprs).collect().row(0, named=True)
-    return {k: (round(float(v), 6) if isinstance(v, float) else int(v or 0)) for k, v in row.items()}

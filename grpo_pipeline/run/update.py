@@ -25,14 +25,19 @@ from grpo_pipeline.io import write_json
 from grpo_pipeline.run import deterministic, summary
 from grpo_pipeline.update import Rollout, make_optimizer, rollout_logprobs, train
 
-ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids", "finish_reason"]
+ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids",
+                   "completion_token_ends", "finish_reason"]
 MEAN_KEYS = ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "grad_norm")
 
 
-def load_rollouts(rollouts: str, advantages: str, tokenizer, *, overlong_filter: bool = False
+def load_rollouts(rollouts: str, advantages: str, *, overlong_filter: bool = False
                   ) -> tuple[list[Rollout], dict[str, int], str]:
     """Join rollouts with their advantages; rows masked by the advantage stage are left out, and with
     ``overlong_filter`` (DAPO) the truncated ones (``finish_reason == "length"``) too.
+
+    Process supervision: token ``t`` gets the sum of the normalised rewards of the steps ending after
+    its first character (:func:`token_advantages_from_steps`), with the token offsets the sampler
+    recorded (``completion_token_ends``).
 
     Returns the rows, the counts left out (``masked``, ``overlong_masked``) and the iteration."""
     ro = schemas.read_table(rollouts, "rollouts", columns=ROLLOUT_COLUMNS)
@@ -55,10 +60,9 @@ def load_rollouts(rollouts: str, advantages: str, tokenizer, *, overlong_filter:
     for r in df.iter_rows(named=True):
         a: float | list[float] = float(r["advantage"])
         if process:
-            ids = r["completion_token_ids"]
-            ends = [len(tokenizer.decode(ids[: t + 1], skip_special_tokens=False)) for t in range(len(ids))]
             steps = r["step_advantages"] or []
-            a = token_advantages_from_steps([s["end"] for s in steps], [s["value"] for s in steps], ends).tolist()
+            a = token_advantages_from_steps([s["end"] for s in steps], [s["value"] for s in steps],
+                                            r["completion_token_ends"]).tolist()
         rows.append(Rollout(r["prompt_token_ids"], r["completion_token_ids"], a, f"{r['prompt_id']}/{r['sample_idx']}"))
     return rows, {"masked": n_masked, "overlong_masked": n_overlong}, ro["iteration"][0]
 
@@ -153,7 +157,7 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
         torch.manual_seed(cfg.seed)
         tokenizer = load_tokenizer(policy)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        rows, left_out, iteration = load_rollouts(rollouts, advantages, tokenizer, overlong_filter=cfg.overlong_filter)
+        rows, left_out, iteration = load_rollouts(rollouts, advantages, overlong_filter=cfg.overlong_filter)
         prev = read_checkpoint_metadata(policy)
         if not rows:
             return _nothing_to_learn(policy, tokenizer, out, prev, left_out, iteration=iteration, ctx=ctx,
