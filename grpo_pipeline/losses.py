@@ -15,6 +15,14 @@ What is implemented (the spec's formula, with the usual variants selectable by n
   ``"token_mean"`` (DAPO) or ``"seq_mean_token_sum_norm"`` (Dr. GRPO), see ``AGGREGATIONS``.
 * advantages: ``(B,)`` outcome advantages broadcast over tokens, or ``(B, T)`` per-token
   (process supervision).
+* importance ratio: per token (``"token"``, the formula above) or GSPO's length-normalised
+  sequence ratio (``"sequence"``), see ``IMPORTANCE_RATIOS``.
+* policy term: the clipped surrogate (``"grpo"``) or CISPO's clipped, stop-gradient weight on a
+  REINFORCE term (``"cispo"``), see ``POLICY_LOSSES``.
+* sampler-trainer correction: the per-token policy term times a detached weight from
+  ``pi_old / pi_sampler`` (``"none"``, ``"tis"`` truncated, ``"mis"`` masked; token or sequence
+  level), see ``ROLLOUT_CORRECTIONS``; the mismatch itself is always reported when the sampler's
+  log-probs are given (``rollout_mismatch``).
 * no dual-clip, no entropy bonus, no log-ratio clamping.
 
 Shapes: ``B`` sequences (completions), ``T`` completion tokens (right-padded), ``V`` vocabulary.
@@ -24,6 +32,7 @@ reach the loss or the gradients, even when they are ``inf`` or ``nan``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,28 +41,48 @@ Number = int | float | torch.Tensor
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Aggregation = Callable[..., torch.Tensor]
 
+LogRatio = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PolicyLoss = Callable[..., torch.Tensor]
+Correction = Callable[..., torch.Tensor]
+
 KL_ESTIMATORS: dict[str, KLEstimator] = {}
 AGGREGATIONS: dict[str, Aggregation] = {}
+IMPORTANCE_RATIOS: dict[str, LogRatio] = {}
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+ROLLOUT_CORRECTIONS: dict[str, Correction] = {}
+
+
+def _register(registry: dict, name: str) -> Callable:
+    def deco(fn):
+        registry[name] = fn
+        return fn
+
+    return deco
 
 
 def register_kl_estimator(name: str) -> Callable[[KLEstimator], KLEstimator]:
     """Register a per-token KL estimator ``f(logp, logp_ref) -> (B, T)`` under ``name``."""
-
-    def deco(fn: KLEstimator) -> KLEstimator:
-        KL_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    return _register(KL_ESTIMATORS, name)
 
 
 def register_aggregation(name: str) -> Callable[[Aggregation], Aggregation]:
     """Register a loss aggregation ``f(values, mask, *, max_tokens, global_num_seqs, global_num_tokens)``."""
+    return _register(AGGREGATIONS, name)
 
-    def deco(fn: Aggregation) -> Aggregation:
-        AGGREGATIONS[name] = fn
-        return fn
 
-    return deco
+def register_importance_ratio(name: str) -> Callable[[LogRatio], LogRatio]:
+    """Register a log importance ratio ``f(logp, logp_old, mask) -> (B, T)`` (0 on masked tokens) under ``name``."""
+    return _register(IMPORTANCE_RATIOS, name)
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a per-token policy loss ``f(ratio, advantages, logp, *, eps_low, eps_high) -> (B, T)`` (minimised)."""
+    return _register(POLICY_LOSSES, name)
+
+
+def register_rollout_correction(name: str) -> Callable[[Correction], Correction]:
+    """Register a sampler-trainer correction ``f(log_w, *, cap) -> (B, T)`` detached weights under ``name``."""
+    return _register(ROLLOUT_CORRECTIONS, name)
 
 
 def _lookup(registry: dict, name: str, kind: str):
@@ -73,7 +102,23 @@ def get_aggregation(name: str) -> Aggregation:
     return _lookup(AGGREGATIONS, name, "aggregation")
 
 
+def get_importance_ratio(name: str) -> LogRatio:
+    """Return the importance-ratio level registered as ``name``; unknown names raise ``ValueError``."""
+    return _lookup(IMPORTANCE_RATIOS, name, "importance sampling level")
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """Return the policy loss registered as ``name``; unknown names raise ``ValueError``."""
+    return _lookup(POLICY_LOSSES, name, "policy loss")
+
+
+def get_rollout_correction(name: str) -> Correction:
+    """Return the rollout correction registered as ``name``; unknown names raise ``ValueError``."""
+    return _lookup(ROLLOUT_CORRECTIONS, name, "rollout correction")
+
+
 # --------------------------------------------------------------------------- ratio and surrogate
+@register_importance_ratio("token")
 def log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-token ``log r = logp_theta - logp_old`` on valid tokens, 0 on masked ones.
 
@@ -97,6 +142,61 @@ def clipped_surrogate(
     """
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # (B, T)
     return torch.minimum(ratio * advantages, clipped * advantages)  # (B, T)
+
+
+@register_importance_ratio("sequence")
+def sequence_log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised sequence log-ratio, broadcast over the sequence's tokens (arXiv:2507.18071 eq. 7).
+
+    ``log s_i = 1/|o_i| sum_t (logp_it - logp_old_it)``, i.e. ``s_i = (pi_theta(o_i) / pi_old(o_i))^(1/|o_i|)``;
+    every valid token of sequence ``i`` holds ``log s_i`` (its gradient reaches every token, each
+    weighted ``1/|o_i|``), masked tokens 0.  GSPO clips ``s_i`` with its own, much smaller epsilons.
+
+    Parameters
+    ----------
+    logp, logp_old : (B, T) log-probs of the sampled tokens under pi_theta and pi_old.
+    mask : (B, T) nonzero on valid tokens.
+    """
+    valid = mask.bool()  # (B, T)
+    lengths = valid.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+    per_seq = log_ratio(logp, logp_old, valid).sum(-1, keepdim=True) / lengths  # (B, 1)
+    return torch.where(valid, per_seq.expand(valid.shape), 0.0)  # (B, T)
+
+
+@register_policy_loss("grpo")
+def clipped_surrogate_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor, *, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """Per-token ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` (PPO / GRPO); ``logp`` is unused.
+
+    Parameters
+    ----------
+    ratio : (B, T) importance ratio (token or sequence level), carries the gradient.
+    advantages : (B, T) per-token advantages (broadcast beforehand).
+    logp : (B, T) log-probs under pi_theta (unused here).
+    """
+    return -clipped_surrogate(ratio, advantages, eps_low=eps_low, eps_high=eps_high)  # (B, T)
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor, *, eps_low: float, eps_high: float
+) -> torch.Tensor:
+    """CISPO per-token ``-sg(min(r, 1+eps_high)) * A * logp`` (MiniMax-M1, arXiv:2506.13585 eq. 4-5).
+
+    The importance weight is clipped from above only (the paper sets no lower bound, so
+    ``eps_low`` is unused) and carries no gradient: every token keeps a REINFORCE gradient
+    ``-w A grad logp``, also where the PPO clip would have dropped it.  ScaleRL (arXiv:2510.13786)
+    and TRL use the cap ``1 + eps_high = 5``.
+
+    Parameters
+    ----------
+    ratio : (B, T) importance ratio (detached here).
+    advantages : (B, T) per-token advantages.
+    logp : (B, T) log-probs under pi_theta (carries the gradient; 0 on masked tokens).
+    """
+    weight = ratio.detach().clamp(max=1.0 + eps_high)  # (B, T)
+    return -weight * advantages * logp  # (B, T)
 
 
 def broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -234,6 +334,74 @@ def aggregate(
     return fn(values, mask, max_tokens=max_tokens, global_num_seqs=global_num_seqs, global_num_tokens=global_num_tokens)
 
 
+# --------------------------------------------------------------------------- sampler-trainer correction
+# The sampler (vLLM) and the trainer compute different probabilities for the same weights (kernels,
+# precision, batch shapes). With w = pi_old / pi_sampler computed from the trainer's pi_old and the
+# sampler's stored log-probs, the per-token policy term is multiplied by a detached correction of w
+# (truncated IS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+# Training"; masked IS: Liu et al. 2025, "When Speed Kills Stability", TRL's ``*_mask`` modes, verl's
+# rollout correction). The KL term is not corrected (as in TRL).
+def rollout_log_weights(
+    logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, *, level: str = "token"
+) -> torch.Tensor:
+    """``log w`` per token (B, T), 0 on masked tokens.
+
+    ``"token"``: ``log w_it = logp_old_it - logp_sampler_it``; ``"sequence"``: the whole sequence's
+    ``log w_i = sum_t (logp_old_it - logp_sampler_it)`` on each of its tokens (no length
+    normalisation: the sequence's true likelihood ratio, as TRL's and verl's sequence modes).
+    """
+    if level not in ("token", "sequence"):
+        msg = f"Unknown rollout correction level: {level!r}. Valid names are: ['sequence', 'token']"
+        raise ValueError(msg)
+    valid = mask.bool()  # (B, T)
+    tok = torch.where(valid, logp_old.detach() - logp_sampler, 0.0)  # (B, T)
+    if level == "token":
+        return tok  # (B, T)
+    return torch.where(valid, tok.sum(-1, keepdim=True).expand(tok.shape), 0.0)  # (B, T)
+
+
+@register_rollout_correction("none")
+def no_correction(log_w: torch.Tensor, *, cap: float) -> torch.Tensor:
+    """Weight 1 everywhere: the sampler's tokens are treated as drawn from pi_old."""
+    return torch.ones_like(log_w)  # (B, T)
+
+
+@register_rollout_correction("tis")
+def truncated_is(log_w: torch.Tensor, *, cap: float) -> torch.Tensor:
+    """Truncated importance sampling ``min(w, C)`` (TRL ``*_truncate``, verl ``rollout_is``)."""
+    return torch.exp(log_w.detach()).clamp(max=cap)  # (B, T)
+
+
+@register_rollout_correction("mis")
+def masked_is(log_w: torch.Tensor, *, cap: float) -> torch.Tensor:
+    """Masked importance sampling ``w * 1[w <= C]``: tokens (or sequences) beyond the cap get weight 0."""
+    w = torch.exp(log_w.detach())  # (B, T)
+    return torch.where(w > cap, 0.0, w)  # (B, T)
+
+
+@torch.no_grad()
+def rollout_mismatch(
+    logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, *, level: str = "token", cap: float = 3.0
+) -> dict[str, torch.Tensor]:
+    """How far the sampler's log-probs are from the trainer's, over valid tokens (scalars).
+
+    ``mismatch/logp_diff_mean`` and ``mismatch/logp_diff_max``: mean and max ``|logp_old - logp_sampler|``;
+    ``mismatch/outside_cap_share``: share of tokens whose correction weight ``w`` (at ``level``) exceeds
+    ``cap``; ``mismatch/kl_k3``: k3 estimate of ``KL(pi_sampler || pi_old)`` per token from the sampled
+    tokens, ``w - log w - 1`` with the token-level ``w``.  0 (max: 0) when there is no valid token.
+    """
+    valid = mask.bool()  # (B, T)
+    tok = rollout_log_weights(logp_old, logp_sampler, valid)  # (B, T)
+    diff = tok.abs()  # (B, T)
+    outside = (rollout_log_weights(logp_old, logp_sampler, valid, level=level) > math.log(cap)) & valid  # (B, T)
+    return {
+        "mismatch/logp_diff_mean": _masked_mean(diff, valid),
+        "mismatch/logp_diff_max": diff.max() if diff.numel() else diff.new_zeros(()),
+        "mismatch/outside_cap_share": _masked_mean(outside.to(diff.dtype), valid),
+        "mismatch/kl_k3": _masked_mean(kl_penalty(logp_sampler, logp_old, valid, estimator="k3"), valid),
+    }
+
+
 # --------------------------------------------------------------------------- the loss
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _masked(values, mask).sum() / mask.bool().sum().clamp(min=1)  # ()
@@ -264,6 +432,12 @@ def grpo_loss(
     max_tokens: int | None = None,
     global_num_seqs: Number | None = None,
     global_num_tokens: Number | None = None,
+    loss: str = "grpo",
+    importance_sampling_level: str = "token",
+    logp_sampler: torch.Tensor | None = None,
+    rollout_correction: str = "none",
+    rollout_correction_level: str = "token",
+    rollout_correction_cap: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss ``agg(-min(r A, clip(r, 1-eps_low, 1+eps_high) A) + beta * KL)``, ``r = exp(logp - logp_old)``.
 
@@ -279,6 +453,15 @@ def grpo_loss(
     kl_estimator : a name in ``KL_ESTIMATORS``.
     aggregation, max_tokens, global_num_seqs, global_num_tokens : see ``aggregate`` and the
         aggregation functions (micro-batch accumulation).
+    loss : a name in ``POLICY_LOSSES``: ``"grpo"`` (the clipped surrogate above) or ``"cispo"``
+        (``-sg(min(r, 1+eps_high)) A logp``, ``eps_low`` unused).
+    importance_sampling_level : a name in ``IMPORTANCE_RATIOS``: ``"token"`` (``r_it``) or ``"sequence"``
+        (GSPO's ``s_i`` on every token of sequence ``i``; pass GSPO's own ``eps_low``/``eps_high``).
+    logp_sampler : (B, T) the sampler's log-probs of the same tokens (the rollouts' ``completion_logprobs``);
+        needed by a correction, and when given the mismatch metrics are reported.
+    rollout_correction, rollout_correction_level, rollout_correction_cap : a name in ``ROLLOUT_CORRECTIONS``,
+        ``"token"`` or ``"sequence"`` (see ``rollout_log_weights``) and the cap ``C`` on ``pi_old / pi_sampler``;
+        the per-token policy term is multiplied by the (detached) corrected weight.
 
     Returns
     -------
@@ -286,7 +469,9 @@ def grpo_loss(
     metrics : detached scalars: ``policy_loss`` (aggregated ``-surrogate``), ``kl`` (mean per valid
         token of this (micro-)batch; nan when ``logp_ref`` is None), ``clip_frac_low`` (share of valid tokens with
         ``r < 1-eps_low`` and ``A < 0``), ``clip_frac_high`` (``r > 1+eps_high`` and ``A > 0``),
-        ``ratio_mean``, ``ratio_min``, ``ratio_max`` (over valid tokens; +-inf when there are none).
+        ``ratio_mean``, ``ratio_min``, ``ratio_max`` (over valid tokens; +-inf when there are none);
+        with ``logp_sampler`` also ``rollout_mismatch``'s ``mismatch/*`` and ``mismatch/weight_mean`` (the
+        mean correction weight over valid tokens).
 
     Examples
     --------
@@ -297,10 +482,15 @@ def grpo_loss(
     >>> loss.item(), m["ratio_mean"].item()
     (0.0, 1.0)
     """
-    _check_shapes(logp, logp_old=logp_old, mask=mask, logp_ref=logp_ref)
+    _check_shapes(logp, logp_old=logp_old, mask=mask, logp_ref=logp_ref, logp_sampler=logp_sampler)
     get_kl_estimator(kl_estimator)  # a bad name fails even when there is no KL term
+    policy_fn, ratio_fn = get_policy_loss(loss), get_importance_ratio(importance_sampling_level)
+    correct = get_rollout_correction(rollout_correction)
     if beta > 0 and logp_ref is None:
         msg = f"beta={beta} > 0 needs logp_ref (reference log-probs). Hint: pass logp_ref or set beta=0."
+        raise ValueError(msg)
+    if rollout_correction != "none" and logp_sampler is None:
+        msg = f"rollout_correction={rollout_correction!r} needs logp_sampler (the sampler's log-probs)"
         raise ValueError(msg)
     eps_high = eps_low if eps_high is None else eps_high
     dtype = torch.promote_types(logp.dtype, torch.float32)  # compute in >= float32
@@ -308,18 +498,28 @@ def grpo_loss(
     logp_ref = None if logp_ref is None else logp_ref.to(dtype)  # (B, T)
     valid = mask.bool()  # (B, T)
     adv = torch.where(valid, broadcast_advantages(advantages, logp.shape).to(dtype), 0.0)  # (B, T)
-    ratio = torch.exp(log_ratio(logp, logp_old, valid))  # (B, T), 1 on masked tokens
-    per_token = -clipped_surrogate(ratio, adv, eps_low=eps_low, eps_high=eps_high)  # (B, T)
+    ratio = torch.exp(ratio_fn(logp, logp_old, valid))  # (B, T), 1 on masked tokens
+    per_token = policy_fn(ratio, adv, torch.where(valid, logp, 0.0), eps_low=eps_low, eps_high=eps_high)  # (B, T)
+    extra: dict[str, torch.Tensor] = {}
+    if logp_sampler is not None:
+        logp_sampler = logp_sampler.to(dtype)  # (B, T)
+        level, cap = rollout_correction_level, rollout_correction_cap
+        weight = correct(rollout_log_weights(logp_old, logp_sampler, valid, level=level), cap=cap)  # (B, T)
+        if rollout_correction != "none":
+            per_token = per_token * weight  # (B, T)
+        extra = rollout_mismatch(logp_old, logp_sampler, valid, level=level, cap=cap)
+        extra["mismatch/weight_mean"] = _masked_mean(weight, valid)
     agg = {"aggregation": aggregation, "max_tokens": max_tokens}
     agg |= {"global_num_seqs": global_num_seqs, "global_num_tokens": global_num_tokens}
     policy_loss = aggregate(per_token, valid, **agg)  # ()
-    loss = policy_loss
+    total = policy_loss
     kl = None
     if logp_ref is not None:
         kl = kl_penalty(logp, logp_ref, valid, estimator=kl_estimator)  # (B, T)
         if beta != 0:
-            loss = policy_loss + beta * aggregate(kl, valid, **agg)  # ()
-    return loss, _metrics(policy_loss, kl, ratio, adv, valid, eps_low=eps_low, eps_high=eps_high)
+            total = policy_loss + beta * aggregate(kl, valid, **agg)  # ()
+    eps_low = math.inf if loss == "cispo" else eps_low  # CISPO has no lower clip
+    return total, _metrics(policy_loss, kl, ratio, adv, valid, eps_low=eps_low, eps_high=eps_high) | extra
 
 
 @torch.no_grad()
