@@ -245,11 +245,39 @@ class UpdateConfig(Section):
         nnodes: int = Field(1, ge=1, description="Nodes; > 1 needs rdzv_endpoint and the stage started on every node.")
         rdzv_endpoint: str | None = Field(None, description="host:port of the torchrun rendezvous when nnodes > 1.")
 
+    class LoRA(Section):
+        """Low-rank adapters (peft) on the policy; the next checkpoint is the merged HF model."""
+
+        rank: int = Field(16, ge=1, description="r: rank of each adapter B A.")
+        alpha: float = Field(32.0, gt=0, description="Scaling alpha / r on B A.")
+        target_modules: list[str] = Field(
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1,
+            description="Module names (suffixes) that get an adapter; Llama-style names by default.",
+        )
+        dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+
     lr: float = Field(2e-5, gt=0, le=1)
     beta: float = Field(0.04, ge=0, description="KL coefficient; 0 skips loading the reference.")
     epsilon: float = Field(0.2, gt=0, lt=1, description="Clip range low: clip(r, 1-eps_low, 1+eps_high).")
     epsilon_high: float | None = Field(None, gt=0, description="Defaults to epsilon (clip-higher when larger).")
     kl_estimator: str = Registered("k3", "grpo_pipeline.losses:KL_ESTIMATORS", "Per-token KL estimator.")
+    loss: str = Registered("grpo", "grpo_pipeline.losses:POLICY_LOSSES", "grpo: clipped surrogate; cispo: "
+                           "-sg(min(r, 1+cispo_epsilon_high)) A logp (MiniMax-M1).")
+    cispo_epsilon_high: float = Field(4.0, gt=0, description="CISPO's weight cap is 1 + this (ScaleRL / TRL: 5).")
+    importance_sampling_level: str = Registered(
+        "token", "grpo_pipeline.losses:IMPORTANCE_RATIOS", "token: r per token; sequence: GSPO's length-normalised "
+        "sequence ratio, clipped with sequence_epsilon / sequence_epsilon_high instead of epsilon / epsilon_high.")
+    sequence_epsilon: float = Field(3e-4, gt=0, lt=1, description="GSPO clip range low (the paper: 3e-4).")
+    sequence_epsilon_high: float = Field(4e-4, gt=0, description="GSPO clip range high (the paper: 4e-4).")
+    rollout_correction: str = Registered(
+        "none", "grpo_pipeline.losses:ROLLOUT_CORRECTIONS", "Sampler-trainer correction of the policy term by "
+        "w = pi_old / pi_sampler (the rollouts' completion_logprobs): none; tis: min(w, cap); mis: w, 0 where "
+        "w > cap. The mismatch is reported either way (mismatch/* metrics).")
+    rollout_correction_level: Literal["token", "sequence"] = Field(
+        "token", description="token: w per token; sequence: the product of the sequence's token weights."
+    )
+    rollout_correction_cap: float = Field(3.0, gt=1, description="C in the correction (TRL's default 3).")
+    lora: LoRA | None = Field(None, description="null: full fine-tuning; else LoRA adapters (see LoRA).")
     reference: Literal["sft", "old"] = Field("sft", description="KL reference: the SFT model, or the old policy.")
     aggregation: str = Registered("seq_mean_token_mean", "grpo_pipeline.losses:AGGREGATIONS",
                                   "Loss aggregation over tokens and sequences.")

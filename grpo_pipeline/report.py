@@ -19,7 +19,8 @@ TRAIN_KEYS = {
     "advantage": ["advantage/abs_mean", "advantage/zero_std_group_share", "dynamic/dropped_group_share",
                   "dynamic/kept_groups"],
     "update": ["loss", "kl", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm", "tokens_per_s", "steps",
-               "sequences", "overlong_masked"],
+               "sequences", "overlong_masked", "mismatch/logp_diff_mean", "mismatch/logp_diff_max",
+               "mismatch/outside_cap_share", "mismatch/kl_k3"],
 }
 
 

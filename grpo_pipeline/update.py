@@ -28,7 +28,13 @@ What this implements (the formulas are in ``grpo_pipeline.losses``)::
 Metrics per optimizer step (over the whole minibatch, all ranks): ``loss``, ``policy_loss``,
 ``kl`` (mean per token; only with a reference), ``clip_frac_low`` / ``clip_frac_high`` (token
 shares), ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``entropy`` (mean per token),
-``grad_norm`` (before clipping), ``lr``, ``tokens``, ``tokens_per_s``, ``peak_memory_mb``.
+``grad_norm`` (before clipping), ``lr``, ``tokens``, ``tokens_per_s``, ``peak_memory_mb``; when the rows carry
+the sampler's log-probs, the sampler-trainer mismatch of pi_old (``losses.rollout_mismatch``):
+``mismatch/logp_diff_mean`` / ``mismatch/logp_diff_max`` (|logp_old - logp_sampler|), ``mismatch/outside_cap_share``,
+``mismatch/kl_k3`` (KL(pi_sampler || pi_old) per token) and ``mismatch/weight_mean`` (the correction's mean weight).
+
+Variants (``update.loss``, ``update.importance_sampling_level``, ``update.rollout_correction``) are the
+registered functions of ``grpo_pipeline.losses``; :func:`clip_range` picks their clip epsilons.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class Rollout:
     completion_ids: list[int]
     advantage: float | list[float]   # scalar (outcome) or one per completion token (process)
     key: str = ""                    # prompt_id/sample_idx, for error messages
+    sampler_logprobs: list[float] | None = None   # the sampler's log-prob of each completion token
 
 
 def autocast(cfg: UpdateConfig, device: torch.device):
@@ -149,35 +156,73 @@ def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], rows: 
     return ctx.reduce(out) if ctx.world_size > 1 else out
 
 
-# Accumulated per-step statistics: sums over micro-batches and ranks, then min / max.
-_SUMS = ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "n_tokens",
-         "non_finite")
+# Accumulated per-step statistics: sums over micro-batches and ranks (token means times tokens), then maxima.
+_TOKEN_MEANS = ("clip_frac_low", "clip_frac_high", "ratio_mean", "mismatch/logp_diff_mean",
+                "mismatch/outside_cap_share", "mismatch/kl_k3", "mismatch/weight_mean")
+_SUMS = ("loss", "policy_loss", "kl", *_TOKEN_MEANS, "entropy", "n_tokens", "non_finite")
+_MAXES = ("ratio_min", "ratio_max", "mismatch/logp_diff_max")   # ratio_min is kept negated while reduced
 
 
 def _micro_stats(loss: torch.Tensor, m: dict[str, torch.Tensor], ent: torch.Tensor, mask: torch.Tensor):
-    """This micro-batch's sums (token metrics times its valid tokens) and its ratio min / max."""
+    """This micro-batch's sums (token metrics times its valid tokens) and its maxima (``_MAXES``)."""
     n = mask.sum().to(torch.float64)
-    tok = {k: m[k].detach().double() * n for k in ("clip_frac_low", "clip_frac_high", "ratio_mean")}
+    zero = torch.zeros((), dtype=torch.float64, device=n.device)
+    tok = [m[k].detach().double() * n if k in m else zero for k in _TOKEN_MEANS]
     kl = torch.nan_to_num(m["kl"].detach().double() * n, nan=0.0)
     ent_sum = (ent.detach().double() * mask).sum()
     loss_d = loss.detach().double()
-    sums = torch.stack([loss_d, m["policy_loss"].detach().double(), kl, tok["clip_frac_low"], tok["clip_frac_high"],
-                        tok["ratio_mean"], ent_sum, n, (~torch.isfinite(loss_d)).double()])
-    return sums, m["ratio_min"].detach().double(), m["ratio_max"].detach().double()
+    sums = torch.stack([loss_d, m["policy_loss"].detach().double(), kl, *tok, ent_sum, n,
+                        (~torch.isfinite(loss_d)).double()])
+    diff_max = m.get("mismatch/logp_diff_max", zero).detach().double()
+    return sums, torch.stack([-m["ratio_min"].detach().double(), m["ratio_max"].detach().double(), diff_max])
 
 
-def _step_stats(sums: torch.Tensor, rmin: torch.Tensor, rmax: torch.Tensor, ctx: DistContext, *,
-                has_kl: bool) -> dict[str, float]:
-    sums, rmin, rmax = ctx.reduce(sums), ctx.reduce(rmin, "min"), ctx.reduce(rmax, "max")
-    s = dict(zip(_SUMS, sums.tolist()))
+def _step_stats(sums: torch.Tensor, maxes: torch.Tensor, ctx: DistContext, *, has_kl: bool,
+                has_sampler: bool) -> dict[str, float]:
+    s = dict(zip(_SUMS, ctx.reduce(sums).tolist()))
+    mx = dict(zip(_MAXES, ctx.reduce(maxes, "max").tolist()))
     n = max(s["n_tokens"], 1.0)
     W = ctx.world_size
     out = {"loss": s["loss"] / W, "policy_loss": s["policy_loss"] / W}   # each rank's loss carries 1/W
     if has_kl:
         out["kl"] = s["kl"] / n
-    out.update({k: s[k] / n for k in ("clip_frac_low", "clip_frac_high", "ratio_mean", "entropy")})
-    out.update(ratio_min=float(rmin), ratio_max=float(rmax), non_finite=s["non_finite"])
+    out.update({k: s[k] / n for k in (*_TOKEN_MEANS, "entropy") if has_sampler or not k.startswith("mismatch/")})
+    out.update(ratio_min=-mx["ratio_min"], ratio_max=mx["ratio_max"], non_finite=s["non_finite"])
+    if has_sampler:
+        out["mismatch/logp_diff_max"] = mx["mismatch/logp_diff_max"]
     return out
+
+
+def clip_range(cfg: UpdateConfig) -> tuple[float, float | None]:
+    """``(eps_low, eps_high)`` of the configured loss: GSPO's own for sequence ratios; CISPO's cap."""
+    low, high = ((cfg.sequence_epsilon, cfg.sequence_epsilon_high) if cfg.importance_sampling_level == "sequence"
+                 else (cfg.epsilon, cfg.epsilon_high))
+    return (low, cfg.cispo_epsilon_high) if cfg.loss == "cispo" else (low, high)
+
+
+def _sampler_logprobs(rows: Sequence[Rollout], C: int) -> torch.Tensor:
+    """(B, C) the sampler's log-probs, zero-padded."""
+    out = torch.zeros(len(rows), C)                                              # (B, C)
+    for i, r in enumerate(rows):
+        out[i, : len(r.sampler_logprobs)] = torch.tensor(r.sampler_logprobs)
+    return out
+
+
+def _check_sampler_logprobs(rollouts: Sequence[Rollout], cfg: UpdateConfig) -> bool:
+    """Whether every row carries the sampler's log-probs (one per completion token); required by a correction."""
+    missing = next((r for r in rollouts if r.sampler_logprobs is None), None)
+    if missing is not None:
+        if cfg.rollout_correction != "none":
+            msg = (f"update.rollout_correction is {cfg.rollout_correction!r} but rollout {missing.key!r} has no "
+                   "sampler log-probs (completion_logprobs)")
+            raise ValueError(msg)
+        return False
+    bad = next((r for r in rollouts if len(r.sampler_logprobs) != len(r.completion_ids)), None)
+    if bad is not None:
+        msg = (f"rollout {bad.key!r} has {len(bad.sampler_logprobs)} sampler log-probs for "
+               f"{len(bad.completion_ids)} completion tokens")
+        raise ValueError(msg)
+    return True
 
 
 def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *, pad_id: int,
@@ -205,6 +250,8 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         bad = next(r.key for r in rollouts if not r.completion_ids)
         msg = f"rollout {bad!r} has an empty completion; leave such rows out"
         raise ValueError(msg)
+    has_sampler = _check_sampler_logprobs(rollouts, cfg)
+    eps_low, eps_high = clip_range(cfg)
     module = model if is_policy_module(model) else PolicyModule(model, chunk_size=cfg.logprob_chunk_size)
     device = device or next(module.parameters()).device
     ctx = ctx or DistContext(device=device)
@@ -245,7 +292,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         # A group's rows side by side, so micro-batches share prompts (policy._shared_prompt_hidden);
         # the order inside a minibatch does not change its summed gradient.
         plan = micro_batches(sorted(mini, key=lambda i: (rollouts[i].prompt_ids, i)), ctx, cfg.micro_batch_size)
-        sums, rmin, rmax = torch.zeros(len(_SUMS), dtype=torch.float64, device=device), None, None
+        sums, maxes = torch.zeros(len(_SUMS), dtype=torch.float64, device=device), None
         bad_keys: list[str] = []
         for j, (idx, active) in enumerate(plan):
             rows, b = _batch(rollouts, idx, active, pad_id=pad_id, device=device)
@@ -256,18 +303,22 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
                     logp, ent = completion_logprobs(module, b, with_entropy=True)   # (b, C) each
                 old = logp.detach() if k == 0 else logp_old[sel, :C]
                 ref = old if ref_is_old else (logp_ref[sel, :C] if logp_ref is not None else None)
+                sampler = _sampler_logprobs(rows, C).to(device) if has_sampler else None
                 loss, m = grpo_loss(logp, old, _advantages(rows, C).to(device), b.completion_mask, logp_ref=ref,
-                                    eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, beta=cfg.beta,
+                                    eps_low=eps_low, eps_high=eps_high, beta=cfg.beta,
                                     kl_estimator=cfg.kl_estimator, aggregation=cfg.aggregation,
-                                    max_tokens=max_tokens, **norm)
+                                    max_tokens=max_tokens, loss=cfg.loss,
+                                    importance_sampling_level=cfg.importance_sampling_level, logp_sampler=sampler,
+                                    rollout_correction=cfg.rollout_correction,
+                                    rollout_correction_level=cfg.rollout_correction_level,
+                                    rollout_correction_cap=cfg.rollout_correction_cap, **norm)
                 loss.backward()                                  # a non-finite loss is reported below
-            s, lo, hi = _micro_stats(loss, m, ent, b.completion_mask)
+            s, mx = _micro_stats(loss, m, ent, b.completion_mask)
             sums += s
-            rmin = lo if rmin is None else torch.minimum(rmin, lo)
-            rmax = hi if rmax is None else torch.maximum(rmax, hi)
+            maxes = mx if maxes is None else torch.maximum(maxes, mx)
             if not bad_keys and not torch.isfinite(loss):
                 bad_keys = [r.key for r in rows[:4]]
-        stats = _step_stats(sums, rmin, rmax, ctx, has_kl=cfg.beta > 0 or logp_ref is not None)
+        stats = _step_stats(sums, maxes, ctx, has_kl=cfg.beta > 0 or logp_ref is not None, has_sampler=has_sampler)
         if stats.pop("non_finite"):
             where = f"rows {', '.join(bad_keys)}, ..." if bad_keys else "on another rank"
             raise NonFiniteError(f"non-finite loss {stats['loss']} at step {start_step + k} ({where}); nothing written")

@@ -67,7 +67,8 @@ def write_stage_inputs(d: Path, rows: list[Rollout], iteration="it0") -> tuple[s
         pid, k = r.key.split("/")
         ro.append({"iteration": iteration, "prompt_id": pid, "sample_idx": int(k), "question": "q", "answer": "1",
                    "operation": None, "prompt": "p", "prompt_token_ids": r.prompt_ids, "completion": "c",
-                   "completion_token_ids": r.completion_ids, "completion_logprobs": [0.0] * len(r.completion_ids),
+                   "completion_token_ids": r.completion_ids,
+                   "completion_logprobs": r.sampler_logprobs or [0.0] * len(r.completion_ids),
                    "completion_token_ends": list(range(1, len(r.completion_ids) + 1)),
                    "finish_reason": "stop", "prompt_len": len(r.prompt_ids), "completion_len": len(r.completion_ids),
                    "policy": "x"})

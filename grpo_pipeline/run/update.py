@@ -26,8 +26,9 @@ from grpo_pipeline.run import deterministic, summary
 from grpo_pipeline.update import Rollout, make_optimizer, rollout_logprobs, train
 
 ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids",
-                   "completion_token_ends", "finish_reason"]
-MEAN_KEYS = ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "grad_norm")
+                   "completion_token_ends", "finish_reason", "completion_logprobs"]
+MEAN_KEYS = ("loss", "policy_loss", "kl", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "grad_norm",
+             "mismatch/logp_diff_mean", "mismatch/outside_cap_share", "mismatch/kl_k3", "mismatch/weight_mean")
 
 
 def load_rollouts(rollouts: str, advantages: str, *, overlong_filter: bool = False
@@ -63,7 +64,8 @@ def load_rollouts(rollouts: str, advantages: str, *, overlong_filter: bool = Fal
             steps = r["step_advantages"] or []
             a = token_advantages_from_steps([s["end"] for s in steps], [s["value"] for s in steps],
                                             r["completion_token_ends"]).tolist()
-        rows.append(Rollout(r["prompt_token_ids"], r["completion_token_ids"], a, f"{r['prompt_id']}/{r['sample_idx']}"))
+        rows.append(Rollout(r["prompt_token_ids"], r["completion_token_ids"], a, f"{r['prompt_id']}/{r['sample_idx']}",
+                            sampler_logprobs=r["completion_logprobs"]))
     return rows, {"masked": n_masked, "overlong_masked": n_overlong}, ro["iteration"][0]
 
 
@@ -115,6 +117,8 @@ def iteration_metrics(history: list[dict], *, wall_s: float) -> dict:
     metrics.update(
         ratio_min=round(min(h["ratio_min"] for h in history), 6),
         ratio_max=round(max(h["ratio_max"] for h in history), 6),
+        **({"mismatch/logp_diff_max": round(max(h["mismatch/logp_diff_max"] for h in history), 6)}
+           if "mismatch/logp_diff_max" in history[0] else {}),
         steps=len(history), tokens=tokens, lr_last=history[-1]["lr"],
         tokens_per_s=round(tokens / train_s, 2),                       # incl. the old log-prob pass
         step_tokens_per_s=round(tokens / sum(h["time_s"] for h in history), 2),
