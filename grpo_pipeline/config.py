@@ -328,6 +328,9 @@ class UpdateConfig(Section):
             msg = f"update.total_steps ({self.total_steps}) must exceed update.warmup_steps ({self.warmup_steps})"
             raise ValueError(msg)
         d = self.distributed
+        if self.lora is not None and d.strategy == "fsdp":
+            msg = "update.lora is not supported with update.distributed.strategy fsdp. Hint: use ddp or none"
+            raise ValueError(msg)
         if d.nnodes > 1 and not d.rdzv_endpoint:
             msg = f"update.distributed.nnodes is {d.nnodes} but update.distributed.rdzv_endpoint (host:port) is not set"
             raise ValueError(msg)

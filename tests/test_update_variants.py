@@ -66,3 +66,37 @@ def test_corrections_weight_as_configured(variant_runs):
     assert 0.741 < m["tis_token"]["mismatch/weight_mean"] < 1.2 and m["tis_token"]["mismatch/outside_cap_share"] > 0.2
     # sequence MIS at cap 3: sequences whose summed log-weight exceeds log 3 are dropped
     assert 0 <= m["mis_sequence"]["mismatch/outside_cap_share"] < 1
+
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+
+
+def test_lora_writes_a_merged_checkpoint_and_carries_adapters(tmp_path, ckpts, capsys):  # noqa: F811
+    """Two LoRA updates with carried state == the same two updates on one PeftModel; only targets change."""
+    from grpo_pipeline import lora
+    from grpo_pipeline.update import train
+
+    cfg = UpdateConfig(**{**BASE, "lora": LORA, "seed": 3})
+    rows_a, rows_b = rand_rollouts(8, seed=11, groups=True), rand_rollouts(8, seed=12, groups=True)
+    da, db = write_stage_inputs(tmp_path / "a", rows_a), write_stage_inputs(tmp_path / "b", rows_b, iteration="it1")
+    m1 = stage_run(cfg, ckpts, da, tmp_path / "it1")
+    m2 = stage_run(cfg, ckpts, db, tmp_path / "it2", policy=str(tmp_path / "it1"))
+    assert (m1["optimizer_state"], m2["optimizer_state"]) == ("fresh", "resumed")
+    w0, w1, w2 = weights(ckpts["policy"]), weights(tmp_path / "it1"), weights(tmp_path / "it2")
+    assert set(w1) == set(w0)                                             # merged: plain HF names, no lora_*
+    changed = {k for k in w0 if not torch.equal(w0[k], w2[k])}
+    assert changed and all(any(t in k for t in LORA["target_modules"]) for k in changed)
+
+    # the same in one process: one PeftModel, one optimizer over its adapters
+    torch.manual_seed(3)
+    model = lora.attach(load_model(ckpts["policy"]), cfg.lora)
+    ref = load_model(ckpts["reference"]).eval()
+    h1, opt = train(model, rows_a, cfg, pad_id=0, ref_model=ref, max_tokens=8)
+    train(model, rows_b, cfg, pad_id=0, ref_model=ref, optimizer=opt, start_step=len(h1), max_tokens=8)
+    for k, v in lora.merged(model).state_dict().items():
+        torch.testing.assert_close(w2[k], v, rtol=0, atol=2e-6, msg=k)
+
+    # a full fine-tuning update after LoRA does not take the adapters' moments
+    capsys.readouterr()
+    m3 = stage_run(UpdateConfig(**BASE), ckpts, db, tmp_path / "it3", policy=str(tmp_path / "it2"))
+    assert m3["optimizer_state"] == "fresh" and "written with LoRA adapters" in capsys.readouterr().out

@@ -16,7 +16,7 @@ import time
 import polars as pl
 import torch
 
-from grpo_pipeline import distributed, schemas, train_state
+from grpo_pipeline import distributed, lora, schemas, train_state
 from grpo_pipeline.advantages import token_advantages_from_steps
 from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint_metadata, save_checkpoint
 from grpo_pipeline.config import UpdateConfig
@@ -109,6 +109,21 @@ def _reference_logprobs(cfg: UpdateConfig, reference: str | None, rows: list[Rol
     return out
 
 
+def _attach_lora(cfg: UpdateConfig, model, state: dict | None, reason: str, ctx: distributed.DistContext):
+    """LoRA adapters on ``model`` (``update.lora``), resumed from the carried state when it holds fitting ones."""
+    if reason == "resumed":
+        adapters = ctx.broadcast_object(state.pop(lora.ADAPTER_KEY, None) if ctx.is_main else None)
+        if (adapters is None) != (cfg.lora is None):
+            state, reason = None, ("fresh: the optimizer state was written " +
+                                   ("without" if adapters is None else "with") + " LoRA adapters")
+    if cfg.lora is None:
+        return model, state, reason
+    model = lora.attach(model, cfg.lora)
+    if reason == "resumed" and not lora.resume(model, adapters):
+        state, reason = None, "fresh: the carried LoRA adapters do not fit update.lora (rank or target_modules)"
+    return model, state, reason
+
+
 def iteration_metrics(history: list[dict], *, wall_s: float) -> dict:
     """Per-iteration summary of the per-step metrics."""
     metrics = {k: round(sum(h[k] for h in history) / len(history), 6) for k in MEAN_KEYS if k in history[0]}
@@ -170,13 +185,14 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
         ref_lp = _reference_logprobs(cfg, reference, rows, pad_id=pad_id, ctx=ctx)
 
         model = load_model(policy, dtype="float32", device=distributed.load_device(ctx))
-        module = distributed.wrap(model, ctx, cfg)
-        optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad], cfg)
         carry = cfg.optimizer_state == "carry"
         state, reason = None, "fresh: update.optimizer_state is 'fresh'"
         if carry:
             state, reason = train_state.load_state(policy) if ctx.is_main else (None, "")
             reason = ctx.broadcast_object(reason)
+        model, state, reason = _attach_lora(cfg, model, state, reason, ctx)
+        module = distributed.wrap(model, ctx, cfg)
+        optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad], cfg)
         if reason == "resumed":
             distributed.load_optimizer_state(module, optimizer, state, ctx)
             for g in optimizer.param_groups:   # this iteration's hyper-parameters; the moments carry over
@@ -195,6 +211,11 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                 "global_step": global_step, "iteration": iteration, "optimizer_state": reason.split(":")[0],
                 "strategy": cfg.distributed.strategy, "world_size": ctx.world_size}}
             saver = model if cfg.distributed.strategy != "fsdp" else _FullState(model, full)
+            if cfg.lora is not None:      # the adapters travel with their moments; the checkpoint is merged
+                if carry:
+                    opt_state[lora.ADAPTER_KEY] = lora.adapter_state(model)
+                meta["train_state"]["lora"] = cfg.lora.model_dump()
+                saver = lora.merged(model)
             extra = (functools.partial(train_state.write_state, state=opt_state, checkpoint=out,
                                        global_step=global_step) if carry else None)
             save_checkpoint(saver, tokenizer, out, metadata=meta, extra=extra)
