@@ -19,6 +19,7 @@ runs in a fresh subprocess so that peak memory is its own:
     pip install -e '.[bench]'   # TRL (1.16 works with transformers 5.19)
     python bench/bench_update.py                              # SmolLM2-135M, imported to /tmp once (~30 s)
     python bench/bench_update.py --prompts 2 --steps 1 --warmup 0   # quick look on a CPU
+    python bench/bench_update.py --lora 16    # ours with full fine-tuning beside ours with LoRA (update.lora)
 """
 
 from __future__ import annotations
@@ -87,10 +88,15 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
     reset_peak(device)
     base = current_mb(device)
     rows = [Rollout(r["prompt"], r["completion"], r["advantage"], r["key"]) for r in data["rows"]]
+    lora = {"rank": args.lora, "alpha": 2.0 * args.lora} if args.side == "lora" else None
     cfg = UpdateConfig(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=len(rows), micro_batch_size=args.micro,
                        dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
-                       logprob_chunk_size=args.chunk)
+                       logprob_chunk_size=args.chunk, lora=lora)
     model = load_model(args.model, device=device)
+    if cfg.lora is not None:
+        from grpo_pipeline.lora import attach
+
+        model = attach(model, cfg.lora)
     ref = PolicyModule(load_model(args.model, dtype=args.dtype, device=device).eval().requires_grad_(False),
                        chunk_size=args.chunk)
     times, cpu, opt, step = [], [], None, 0
@@ -202,7 +208,9 @@ def main() -> None:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chunk", type=int, default=1024, help="our LM-head chunk (tokens)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="compare ours with LoRA of this rank (alpha 2 x rank, default targets) instead of TRL")
+    p.add_argument("--side", choices=["ours", "trl", "lora"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -212,7 +220,7 @@ def main() -> None:
 
     if args.side:   # a child: one side, one JSON line
         data = json.loads(Path(args.data).read_text())
-        res = (side_ours if args.side == "ours" else side_trl)(args, data, device)
+        res = (side_trl if args.side == "trl" else side_ours)(args, data, device)
         res["peak_memory_mb"] = peak_mb(device)
         print("RESULT " + json.dumps(res), flush=True)
         return
@@ -234,7 +242,8 @@ def main() -> None:
           f"device {device.type}, {args.dtype}, gradient checkpointing {args.gradient_checkpointing}, "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     res = {}
-    for side in ("ours", "trl"):
+    other = "lora" if args.lora else "trl"
+    for side in ("ours", other):
         res[side] = run_side(args, side, f.name)
         t = res[side]["times"][args.warmup:] or res[side]["times"]
         c = res[side]["cpu_times"][args.warmup:] or res[side]["cpu_times"]
@@ -246,11 +255,11 @@ def main() -> None:
               f"step times {[round(x, 2) for x in res[side]['times']]}  "
               f"{res[side]['tokens_per_cpu_s']:.2f} tokens per CPU-second  loss {res[side]['loss']}", flush=True)
     os.unlink(f.name)
-    speed = res["ours"]["tokens_per_s"] / res["trl"]["tokens_per_s"]
-    mem = res["ours"]["peak_memory_mb"] / res["trl"]["peak_memory_mb"]
-    upd = res["ours"]["update_mb"] / res["trl"]["update_mb"]
-    cpu = res["ours"]["tokens_per_cpu_s"] / res["trl"]["tokens_per_cpu_s"]
-    print(f"ratio ours/TRL: tokens/s x{speed:.2f} (per CPU-second x{cpu:.2f}), peak memory x{mem:.2f} "
+    speed = res["ours"]["tokens_per_s"] / res[other]["tokens_per_s"]
+    mem = res["ours"]["peak_memory_mb"] / res[other]["peak_memory_mb"]
+    upd = res["ours"]["update_mb"] / res[other]["update_mb"]
+    cpu = res["ours"]["tokens_per_cpu_s"] / res[other]["tokens_per_cpu_s"]
+    print(f"ratio ours/{other}: tokens/s x{speed:.2f} (per CPU-second x{cpu:.2f}), peak memory x{mem:.2f} "
           f"(above imports: x{upd:.2f})")
 
 

@@ -389,8 +389,10 @@ def rollout_mismatch(
     ``mismatch/outside_cap_share``: share of tokens whose correction weight ``w`` (at ``level``) exceeds
     ``cap``; ``mismatch/kl_k3``: k3 estimate of ``KL(pi_sampler || pi_old)`` per token from the sampled
     tokens, ``w - log w - 1`` with the token-level ``w``.  0 (max: 0) when there is no valid token.
+    Computed in float64 (returned as float64).
     """
     valid = mask.bool()  # (B, T)
+    logp_old, logp_sampler = logp_old.double(), logp_sampler.double()  # k3 of ~1e-5 nats cancels in float32
     tok = rollout_log_weights(logp_old, logp_sampler, valid)  # (B, T)
     diff = tok.abs()  # (B, T)
     outside = (rollout_log_weights(logp_old, logp_sampler, valid, level=level) > math.log(cap)) & valid  # (B, T)

@@ -151,3 +151,26 @@ def test_inspect_cli_on_the_run(repo):
                         "--iteration", "it1", "--limit", "1"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "per iteration" in r.stdout and "it1 · syn-" in r.stdout and "advantage" in r.stdout
+
+
+def test_exp_run_with_the_grpo_variants(repo):
+    """`dvc exp run -S` with CISPO, GSPO's sequence ratio, masked IS and LoRA: the updates rerun (not the first
+    sampling), vLLM samples it1 from the merged LoRA checkpoint, and the mismatch reaches the report's curves."""
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True, capture_output=True)
+    subprocess.run([*git, "commit", "-qm", "run"], cwd=repo, check=True, capture_output=True)
+    sets = ["update.loss=cispo", "update.importance_sampling_level=sequence", "update.rollout_correction=mis",
+            "update.rollout_correction_level=sequence", "update.lora={rank:4,alpha:8}"]
+    r = dvc(repo, "exp", "run", *[a for s in sets for a in ("-S", s)])
+    assert "Running stage 'update@it0'" in r.stdout and "Running stage 'sample@it1'" in r.stdout
+    assert "Running stage 'sample@it0'" not in r.stdout
+    params = yaml.safe_load((repo / "params.yaml").read_text())["update"]
+    assert params["loss"] == "cispo" and params["lora"] == {"rank": 4, "alpha": 8}
+    meta = json.loads((repo / "models/it1/grpo_pipeline.json").read_text())
+    assert meta["train_state"]["lora"]["rank"] == 4
+    for it in ("it0", "it1"):
+        up = json.loads((repo / f"metrics/iterations/{it}/update.json").read_text())
+        assert 0 <= up["mismatch/logp_diff_mean"] <= up["mismatch/logp_diff_max"] < 1.0
+        assert 0 <= up["mismatch/outside_cap_share"] <= 1 and up["mismatch/kl_k3"] >= 0
+    train = json.loads((repo / "metrics/curves/train.json").read_text())
+    assert all("mismatch/logp_diff_mean" in row and "mismatch/kl_k3" in row for row in train)

@@ -124,15 +124,22 @@ def _attach_lora(cfg: UpdateConfig, model, state: dict | None, reason: str, ctx:
     return model, state, reason
 
 
+def _round(key: str, v):
+    """6 decimals; the mismatch (often 1e-6 .. 1e-10 nats) keeps 4 significant digits instead."""
+    if not isinstance(v, float):
+        return v
+    return float(f"{v:.4g}") if key.startswith("mismatch/") else round(v, 6)
+
+
 def iteration_metrics(history: list[dict], *, wall_s: float) -> dict:
     """Per-iteration summary of the per-step metrics."""
-    metrics = {k: round(sum(h[k] for h in history) / len(history), 6) for k in MEAN_KEYS if k in history[0]}
+    metrics = {k: _round(k, sum(h[k] for h in history) / len(history)) for k in MEAN_KEYS if k in history[0]}
     train_s = sum(h["time_s"] for h in history) + history[0].get("prep_s", 0.0)
     tokens = sum(h["tokens"] for h in history)
     metrics.update(
         ratio_min=round(min(h["ratio_min"] for h in history), 6),
         ratio_max=round(max(h["ratio_max"] for h in history), 6),
-        **({"mismatch/logp_diff_max": round(max(h["mismatch/logp_diff_max"] for h in history), 6)}
+        **({"mismatch/logp_diff_max": _round("mismatch/", max(h["mismatch/logp_diff_max"] for h in history))}
            if "mismatch/logp_diff_max" in history[0] else {}),
         steps=len(history), tokens=tokens, lr_last=history[-1]["lr"],
         tokens_per_s=round(tokens / train_s, 2),                       # incl. the old log-prob pass
@@ -225,8 +232,7 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                        optimizer_state=reason.split(":")[0])
         if ctx.is_main:
             if steps_path:
-                write_json(steps_path, [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}
-                                        for h in history])
+                write_json(steps_path, [{k: _round(k, v) for k, v in h.items()} for h in history])
             summary(f"update@{iteration}", metrics, path=metrics_path)
         ctx.barrier()
         return metrics
