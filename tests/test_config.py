@@ -139,3 +139,28 @@ def test_broken_chain_is_an_error(tmp_path):
     text = table(2).replace("policy: models/it1", "policy: models/it9")
     with pytest.raises(ParamsError, match="grpo-pipeline iterations"):
         load_params(write(tmp_path, text))
+
+
+VARIANT_KEYS = ["loss", "cispo_epsilon_high", "importance_sampling_level", "sequence_epsilon", "sequence_epsilon_high",
+                "rollout_correction", "rollout_correction_level", "rollout_correction_cap", "lora"]
+
+
+def test_variant_options_are_in_params_yaml_with_the_config_default():
+    from grpo_pipeline.config import UpdateConfig
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())["update"]
+    for key in VARIANT_KEYS:
+        assert key in raw, f"params.yaml lacks update.{key}"
+        assert raw[key] == UpdateConfig.model_fields[key].default, key
+
+
+@pytest.mark.parametrize(("update", "match"), [
+    ({"lora": {"rank": 0}}, "update.lora.rank"),
+    ({"lora": {"rank": 4, "target_module": ["q_proj"]}}, "unknown key 'update.lora.target_module'"),
+    ({"lora": {"rank": 4}, "distributed": {"strategy": "fsdp"}}, "not supported with update.distributed.strategy fsdp"),
+    ({"rollout_correction": "is"}, "update.rollout_correction"),
+    ({"rollout_correction_cap": 1.0}, "update.rollout_correction_cap"),
+])
+def test_variant_option_errors(tmp_path, update, match):
+    with pytest.raises(ParamsError, match=match):
+        load_params(write(tmp_path, {"update": update}))

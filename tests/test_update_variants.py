@@ -100,3 +100,20 @@ def test_lora_writes_a_merged_checkpoint_and_carries_adapters(tmp_path, ckpts, c
     capsys.readouterr()
     m3 = stage_run(UpdateConfig(**BASE), ckpts, db, tmp_path / "it3", policy=str(tmp_path / "it2"))
     assert m3["optimizer_state"] == "fresh" and "written with LoRA adapters" in capsys.readouterr().out
+
+
+def test_bad_inputs_name_the_row_or_key(tiny_model):
+    from grpo_pipeline import lora
+    from grpo_pipeline.update import train
+
+    model = load_model(tiny_model)
+    with pytest.raises(ValueError, match=r"target_modules \['qkv'\] match no linear layer.*'q_proj'"):
+        lora.attach(model, UpdateConfig.LoRA(target_modules=["qkv"]))
+    rows = rand_rollouts(4, seed=1)
+    with pytest.raises(ValueError, match="rollout_correction is 'tis' but rollout 'p0/0' has no sampler log-probs"):
+        train(model, rows, UpdateConfig(**{**BASE, "rollout_correction": "tis"}), pad_id=0, max_tokens=8)
+    rows[2].sampler_logprobs = [-1.0] * (len(rows[2].completion_ids) + 1)
+    for r in rows[:2] + rows[3:]:
+        r.sampler_logprobs = [-1.0] * len(r.completion_ids)
+    with pytest.raises(ValueError, match=r"rollout 'p0/2' has \d+ sampler log-probs for \d+ completion tokens"):
+        train(model, rows, UpdateConfig(**{**BASE, "beta": 0.0}), pad_id=0, max_tokens=8)
