@@ -342,7 +342,7 @@ def aggregate(
 # Training"; masked IS: Liu et al. 2025, "When Speed Kills Stability", TRL's ``*_mask`` modes, verl's
 # rollout correction). The KL term is not corrected (as in TRL).
 def rollout_log_weights(
-    logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, *, level: str = "token"
+    logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, *, level: str
 ) -> torch.Tensor:
     """``log w`` per token (B, T), 0 on masked tokens.
 
@@ -381,7 +381,7 @@ def masked_is(log_w: torch.Tensor, *, cap: float) -> torch.Tensor:
 
 @torch.no_grad()
 def rollout_mismatch(
-    logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, *, level: str = "token", cap: float = 3.0
+    logp_old: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor, *, level: str, cap: float
 ) -> dict[str, torch.Tensor]:
     """How far the sampler's log-probs are from the trainer's, over valid tokens (scalars).
 
@@ -393,7 +393,7 @@ def rollout_mismatch(
     """
     valid = mask.bool()  # (B, T)
     logp_old, logp_sampler = logp_old.double(), logp_sampler.double()  # k3 of ~1e-5 nats cancels in float32
-    tok = rollout_log_weights(logp_old, logp_sampler, valid)  # (B, T)
+    tok = rollout_log_weights(logp_old, logp_sampler, valid, level="token")  # (B, T)
     diff = tok.abs()  # (B, T)
     outside = (rollout_log_weights(logp_old, logp_sampler, valid, level=level) > math.log(cap)) & valid  # (B, T)
     return {
@@ -434,12 +434,12 @@ def grpo_loss(
     max_tokens: int | None = None,
     global_num_seqs: Number | None = None,
     global_num_tokens: Number | None = None,
-    loss: str = "grpo",
-    importance_sampling_level: str = "token",
+    loss: str,
+    importance_sampling_level: str,
     logp_sampler: torch.Tensor | None = None,
-    rollout_correction: str = "none",
-    rollout_correction_level: str = "token",
-    rollout_correction_cap: float = 3.0,
+    rollout_correction: str,
+    rollout_correction_level: str,
+    rollout_correction_cap: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss ``agg(-min(r A, clip(r, 1-eps_low, 1+eps_high) A) + beta * KL)``, ``r = exp(logp - logp_old)``.
 
@@ -480,7 +480,9 @@ def grpo_loss(
     >>> logp = torch.zeros(2, 3, requires_grad=True)
     >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     >>> loss, m = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask, eps_low=0.2, beta=0.0,
-    ...                     kl_estimator="k3", aggregation="seq_mean_token_mean")
+    ...                     kl_estimator="k3", aggregation="seq_mean_token_mean", loss="grpo",
+    ...                     importance_sampling_level="token", rollout_correction="none",
+    ...                     rollout_correction_level="token", rollout_correction_cap=3.0)
     >>> loss.item(), m["ratio_mean"].item()
     (0.0, 1.0)
     """

@@ -158,9 +158,9 @@ def test_variant_options_are_in_params_yaml_with_the_config_default():
     ({"lora": {"rank": 0}}, "update.lora.rank"),
     ({"lora": {"rank": 4, "target_module": ["q_proj"]}}, "unknown key 'update.lora.target_module'"),
     ({"lora": {"rank": 4}, "distributed": {"strategy": "fsdp"}}, "not supported with update.distributed.strategy fsdp"),
-    ({"rollout_correction": "is"}, "update.rollout_correction"),
+    ({"rollout_correction": "is"}, r"update.rollout_correction: unknown name\(s\) \[.is.\]"),
     ({"rollout_correction_cap": 1.0}, "update.rollout_correction_cap"),
 ])
 def test_variant_option_errors(tmp_path, update, match):
     with pytest.raises(ParamsError, match=match):
-        load_params(write(tmp_path, {"update": update}))
+        load_params(write(tmp_path, {"update": update}), sections=("update",))

@@ -15,10 +15,9 @@ from grpo_pipeline.losses import (
     IMPORTANCE_RATIOS,
     POLICY_LOSSES,
     ROLLOUT_CORRECTIONS,
-    grpo_loss,
     rollout_mismatch,
 )
-from tests.test_losses import AGGS, MAX_TOKENS, loss_and_grad, make_batch
+from tests.test_losses import AGGS, MAX_TOKENS, grpo_loss, loss_and_grad, make_batch
 
 CAP = 1.05  # small enough that the random batches have weights on both sides of it
 

@@ -21,7 +21,11 @@ from grpo_pipeline.losses import (
 
 _U = UpdateConfig()  # grpo_loss takes every setting; these tests use params.yaml's defaults unless they say
 grpo_loss = functools.partial(losses.grpo_loss, eps_low=_U.epsilon, beta=_U.beta, kl_estimator=_U.kl_estimator,
-                              aggregation=_U.aggregation)
+                              aggregation=_U.aggregation, loss=_U.loss,
+                              importance_sampling_level=_U.importance_sampling_level,
+                              rollout_correction=_U.rollout_correction,
+                              rollout_correction_level=_U.rollout_correction_level,
+                              rollout_correction_cap=_U.rollout_correction_cap)
 
 AGGS = ["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"]
 ESTS = ["k1", "k2", "k3"]

@@ -146,7 +146,9 @@ def test_clipped_tokens_give_no_gradient_through_the_model(tiny_model):
             loss = -((r * adv[:, None] * keep).sum(-1) / b.completion_mask.sum(-1)).mean()
         else:
             loss, m = grpo_loss(logp, old, adv, b.completion_mask, beta=0.0, eps_low=0.2, kl_estimator="k3",
-                                 aggregation="seq_mean_token_mean")
+                                 aggregation="seq_mean_token_mean", loss="grpo", importance_sampling_level="token",
+                                 rollout_correction="none", rollout_correction_level="token",
+                                 rollout_correction_cap=3.0)
             assert m["clip_frac_low"] + m["clip_frac_high"] > 0
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
