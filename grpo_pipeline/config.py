@@ -157,7 +157,7 @@ class SamplingConfig(Section):
     )
     hf_batch_size: int = Field(16, ge=1, description="Sequences decoded at once by the HF backend.")
     spare_prompts: int = Field(
-        4, ge=0, description="Dynamic sampling (DAPO): extra prompts sampled each iteration beyond "
+        8, ge=0, description="Dynamic sampling (DAPO): extra prompts sampled each iteration beyond "
         "prompts_per_iteration; with advantage.filter_groups the advantage stage keeps the first "
         "prompts_per_iteration informative groups (rewards not all equal) and drops the rest.",
     )
@@ -231,6 +231,13 @@ class AdvantageConfig(Section):
         True, description="Dynamic sampling (DAPO): leave groups whose rewards are all equal out of the update "
         "(adv_mask false), and keep at most the sampler's prompts_per_iteration informative groups (the rest of "
         "sampling.spare_prompts is surplus). Metrics: dynamic/dropped_group_share, dynamic/kept_groups.",
+    )
+    filter_reward: str = Field(
+        "accuracy", pattern=r"^(total|[A-Za-z_][A-Za-z0-9_]*)$",
+        description="Which reward decides that a group is uninformative under filter_groups: a component "
+        "(reward_<name>, e.g. accuracy, as DAPO filters on accuracy) or total. On the total, a group whose "
+        "answers are all wrong but whose format varies is kept, and the per-group std turns that small format "
+        "difference into full-size advantages (measured: the policy collapsed onto short wrong answers).",
     )
 
 

@@ -53,16 +53,18 @@ def test_filter_groups_keeps_earlier_masks_and_rejects_misaligned_frames():
 
 
 # --------------------------------------------------------------------------- through the stages, on Parquet
-def test_advantage_stage_filters_groups_and_tops_up_from_spares(tmp_path):
+@pytest.mark.parametrize("by", ["total", "accuracy"])
+def test_advantage_stage_filters_groups_and_tops_up_from_spares(tmp_path, by):
     ro = rollouts(n_prompts=12, g=4, seed=3)
     schemas.write_table(ro, tmp_path / "ro/part-00000.parquet", "rollouts", metadata={"groups_wanted": 3})
     score.run(RewardConfig(), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None)
     assert schemas.read_metadata(tmp_path / "s.parquet", "scores")["groups_wanted"] == 3
-    m = advantage.run(AdvantageConfig(filter_groups=True), scores=str(tmp_path / "s.parquet"),
+    m = advantage.run(AdvantageConfig(filter_groups=True, filter_reward=by), scores=str(tmp_path / "s.parquet"),
                       out=str(tmp_path / "a.parquet"), metrics_path=str(tmp_path / "m.json"), batch_rows=5)
     sc = schemas.read_table(tmp_path / "s.parquet", "scores")
     adv = schemas.read_table(tmp_path / "a.parquet", "advantages")
-    informative = [pid for pid, g in sc.group_by("prompt_id", maintain_order=True) if g["reward"].n_unique() > 1]
+    col = "reward" if by == "total" else "reward_accuracy"
+    informative = [pid for pid, g in sc.group_by("prompt_id", maintain_order=True) if g[col].n_unique() > 1]
     informative = [p[0] if isinstance(p, tuple) else p for p in informative]
     kept = adv.filter("adv_mask")["prompt_id"].unique(maintain_order=True).to_list()
     assert kept == informative[:3]                                   # the first three informative groups
@@ -161,3 +163,12 @@ def test_update_with_every_row_left_out_keeps_the_policy(tmp_path, tiny_model):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert read_checkpoint_metadata(out)["parent"] == str(policy)
     assert json.loads((tmp_path / "m.json").read_text())["steps"] == 0
+
+
+def test_filter_reward_must_name_a_scored_component(tmp_path):
+    schemas.write_table(rollouts(n_prompts=2, g=2), tmp_path / "ro/part-00000.parquet", "rollouts")
+    score.run(RewardConfig(), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None)
+    with pytest.raises(ValueError, match="reward_tests"):
+        advantage.run(AdvantageConfig(filter_groups=True, filter_reward="tests"), scores=str(tmp_path / "s.parquet"),
+                      out=str(tmp_path / "a.parquet"), metrics_path=None)
+    assert not (tmp_path / "a.parquet").exists()

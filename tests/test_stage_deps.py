@@ -47,8 +47,8 @@ def test_check_names_a_missing_and_an_unneeded_dep(tmp_path):
     assert "grpo_pipeline/report.py" in stagedeps.check(repo / "dvc.yaml")["sft"][0]
     stagedeps.rewrite(repo / "dvc.yaml")
     assert stagedeps.check(repo / "dvc.yaml") == {}
-    assert yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["sft"]["deps"][:2] == \
-        ["models/base", "data/prompts/train.parquet"]
+    assert yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["sft"]["deps"][:3] == \
+        ["data/checked_params.json", "models/base", "data/prompts/train.parquet"]
 
 
 def _stage_runtime_modules(script: str) -> set[str]:
@@ -176,7 +176,7 @@ def test_touching_any_module_reruns_exactly_its_importers(dvc_repo):
                    for p in (dvc_repo / d).rglob("*.py"))
     seen_stages = _touch_each(dvc_repo, files)
     everything = set().union(*(_expected(dvc_repo, f) for f in files))
-    assert seen_stages == everything and len(everything) == 3 + 4 + 3 + 1  # every stage reached by some module
+    assert seen_stages == everything and len(everything) == 1 + 3 + 4 + 3 + 1  # every stage reached (check too)
     assert "grpo_pipeline/rewards/rowwise.py" in files and _expected(dvc_repo, "grpo_pipeline/rewards/rowwise.py") \
         == set()  # a module no stage imports reruns nothing
 

@@ -47,8 +47,22 @@ def whole_groups(batches: Iterator[pl.DataFrame], *, source: str) -> Iterator[pl
         yield carry
 
 
+def _columns(path: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(path).names
+
+
 def run(cfg: AdvantageConfig, *, scores: str, out: str, metrics_path: str | None, batch_rows: int = 262144) -> dict:
     cols = ["iteration", "prompt_id", "sample_idx", "reward"] + (["steps"] if cfg.estimator == "process" else [])
+    by = "reward" if cfg.filter_reward == "total" else f"reward_{cfg.filter_reward}"
+    if cfg.filter_groups and by != "reward":
+        have = _columns(scores)
+        if by not in have:
+            msg = (f"{scores}: advantage.filter_reward is {cfg.filter_reward!r} but the scores have no column {by!r} "
+                   f"(reward columns: {[c for c in have if c.startswith('reward')]})")
+            raise ValueError(msg)
+        cols.append(by)
     if cfg.std == "batch":
         chunks: Iterator[pl.DataFrame] = iter([schemas.read_table(scores, "scores", columns=cols)])
     else:
@@ -62,7 +76,8 @@ def run(cfg: AdvantageConfig, *, scores: str, out: str, metrics_path: str | None
             iteration = iteration or df["iteration"][0]
             adv, m = compute_advantages(df, cfg)
             if cfg.filter_groups:
-                adv, n = filter_groups(df, adv, wanted=wanted, kept_before=dynamic["kept"])
+                judged = df.select("prompt_id", reward=pl.col(by))
+                adv, n = filter_groups(judged, adv, wanted=wanted, kept_before=dynamic["kept"])
                 dynamic = {k: dynamic[k] + n[k] for k in dynamic}
             write(adv.with_columns(iteration=pl.lit(iteration)))
             unmasked = int(adv["adv_mask"].sum())
