@@ -165,10 +165,12 @@ def test_update_with_every_row_left_out_keeps_the_policy(tmp_path, tiny_model):
     assert json.loads((tmp_path / "m.json").read_text())["steps"] == 0
 
 
-def test_filter_reward_must_name_a_scored_component(tmp_path):
-    schemas.write_table(rollouts(n_prompts=2, g=2), tmp_path / "ro/part-00000.parquet", "rollouts")
+def test_filter_reward_missing_component_falls_back_to_the_total(tmp_path, capsys):
+    schemas.write_table(rollouts(n_prompts=3, g=4, seed=5), tmp_path / "ro/part-00000.parquet", "rollouts")
     score.run(RewardConfig(), rollouts=str(tmp_path / "ro"), out=str(tmp_path / "s.parquet"), metrics_path=None)
-    with pytest.raises(ValueError, match="reward_tests"):
-        advantage.run(AdvantageConfig(filter_groups=True, filter_reward="tests"), scores=str(tmp_path / "s.parquet"),
+    m = advantage.run(AdvantageConfig(filter_groups=True, filter_reward="tests"), scores=str(tmp_path / "s.parquet"),
                       out=str(tmp_path / "a.parquet"), metrics_path=None)
-    assert not (tmp_path / "a.parquet").exists()
+    assert "no 'reward_tests'" in capsys.readouterr().out
+    total = advantage.run(AdvantageConfig(filter_groups=True, filter_reward="total"), scores=str(tmp_path / "s.parquet"),
+                          out=str(tmp_path / "b.parquet"), metrics_path=None)
+    assert m["dynamic/kept_groups"] == total["dynamic/kept_groups"]

@@ -31,7 +31,7 @@ KILLS = [
     ("prepare", "replace:train.parquet:after"),
     ("base", "replace:models/base:before"),
     ("sft", "replace:models/sft:after"),
-    ("sample@it0", "timer:20"),
+    ("sample@it0", "replace:rollouts/it0:before"),   # deterministic: a timer races a fast machine
     ("sample@it1", "replace:rollouts/it1:after"),
     ("score@it0", "replace:scores/it0:after"),
     ("advantage@it1", "replace:advantages/it1:before"),

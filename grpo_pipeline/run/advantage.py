@@ -47,28 +47,34 @@ def whole_groups(batches: Iterator[pl.DataFrame], *, source: str) -> Iterator[pl
         yield carry
 
 
-def _columns(path: str) -> list[str]:
-    import pyarrow.parquet as pq
+def filter_column(cfg: AdvantageConfig, scores: str) -> str:
+    """The scores column that decides a group's informativeness under ``filter_groups``.
 
-    return pq.read_schema(path).names
+    ``reward_<filter_reward>``, or the total ``reward`` for ``total``; a named component the scores do
+    not have (a task without it, e.g. coding scored by tests alone) falls back to the total, said in one line.
+    """
+    if cfg.filter_reward == "total":
+        return "reward"
+    by = f"reward_{cfg.filter_reward}"
+    have = schemas.column_names(scores, "scores")
+    if by in have:
+        return by
+    print(f"[advantage] {scores} has no {by!r} (reward columns {[c for c in have if c.startswith('reward')]}): "
+          "groups are filtered on the total reward", flush=True)
+    return "reward"
 
 
 def run(cfg: AdvantageConfig, *, scores: str, out: str, metrics_path: str | None, batch_rows: int = 262144) -> dict:
     cols = ["iteration", "prompt_id", "sample_idx", "reward"] + (["steps"] if cfg.estimator == "process" else [])
-    by = "reward" if cfg.filter_reward == "total" else f"reward_{cfg.filter_reward}"
-    if cfg.filter_groups and by != "reward":
-        have = _columns(scores)
-        if by not in have:
-            msg = (f"{scores}: advantage.filter_reward is {cfg.filter_reward!r} but the scores have no column {by!r} "
-                   f"(reward columns: {[c for c in have if c.startswith('reward')]})")
-            raise ValueError(msg)
+    wanted = schemas.read_metadata(scores, "scores").get("groups_wanted") if cfg.filter_groups else None
+    by = filter_column(cfg, scores) if cfg.filter_groups else "reward"
+    if by != "reward":
         cols.append(by)
     if cfg.std == "batch":
         chunks: Iterator[pl.DataFrame] = iter([schemas.read_table(scores, "scores", columns=cols)])
     else:
         chunks = whole_groups(schemas.iter_batches(scores, "scores", batch_rows=batch_rows, columns=cols), source=scores)
     totals = {"abs_sum": 0.0, "rows": 0, "unmasked": 0, "groups": 0, "zero_std_groups": 0.0, "masked": 0}
-    wanted = schemas.read_metadata(scores, "scores").get("groups_wanted") if cfg.filter_groups else None
     dynamic = {"groups": 0, "dropped": 0, "kept": 0, "surplus": 0}
     iteration = None
     with schemas.stream_writer(out, "advantages", metadata={"scores": scores, "advantage": cfg.model_dump()}) as write:
