@@ -74,12 +74,13 @@ def commands(dvc: dict, params: dict) -> list[tuple[str, str]]:
     return out + after
 
 
-def run_config(name: str, overrides: list[str], base_params: dict, dvc: dict, out: Path, shared: Path | None) -> dict:
+def run_config(name: str, overrides: list[str], base_params: dict, dvc: dict, out: Path, shared: Path | None,
+               threads: int = 0) -> dict:
     work = out / name
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".git", ".venv", ".dvc", "data", "models", "metrics",
-                                                                  ".whl", ".gguf", "dvc_plots", "__pycache__"))
+                                                                  ".whl", ".gguf", ".site", "dvc_plots", "__pycache__"))
     params = apply_overrides(base_params, overrides)
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     prefix_shared = shared is not None and all(params[s] == base_params[s] for s in PREFIX_SECTIONS)
@@ -89,6 +90,8 @@ def run_config(name: str, overrides: list[str], base_params: dict, dvc: dict, ou
             os.symlink(shared / d, work / d)
     env = {**os.environ, "PYTHONPATH": f"{work}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # `python` = this one
+    if threads:  # parallel configs: each its share of the cores (16 threads x 8 configs spin-wait each other)
+        env.update({k: str(threads) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")})
     times: dict[str, float] = {}
     log = (work / "sweep.log").open("w")
     for stage, cmd in commands(dvc, params):
@@ -97,6 +100,7 @@ def run_config(name: str, overrides: list[str], base_params: dict, dvc: dict, ou
         t0 = time.perf_counter()
         r = subprocess.run(cmd, shell=True, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
         times[stage] = round(time.perf_counter() - t0, 1)
+        print(f"  {name}: {stage} {times[stage]} s{' FAILED' if r.returncode else ''}", flush=True)
         if r.returncode:
             log.close()
             tail = (work / "sweep.log").read_text(errors="replace").splitlines()[-12:]
@@ -146,7 +150,9 @@ def main() -> None:
         sys.exit(f"prefix failed at {prefix['failed']}:\n" + "\n".join(prefix["log_tail"]))
     results_path = Path(args.results or out / "results.json")
     with ThreadPoolExecutor(args.parallel) as pool:
-        futures = [pool.submit(run_config, n, ov, base_params, dvc, out, out / "_prefix") for n, ov in sweep.items()]
+        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // args.parallel))
+        futures = [pool.submit(run_config, n, ov, base_params, dvc, out, out / "_prefix", threads)
+                   for n, ov in sweep.items()]
         results = []
         for f in as_completed(futures):
             r = f.result()
