@@ -302,7 +302,8 @@ def sample_tokens(logits, generators: list, spec: SamplingSpec):
         return logits.argmax(-1)
     probs = filter_logits(logits, temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
                           min_p=spec.min_p).softmax(-1)                     # (B, V)
-    q = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])  # (B, V)
+    q = torch.stack([torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g)
+                     for g in generators])                              # (B, V), each row its own stream
     return (probs / q).argmax(-1)  # exponential race: token i with probability probs[i]
 
 
@@ -310,9 +311,11 @@ class HFBackend:
     """HF transformers decoding, batched: the fallback when vLLM is missing, same rules (see module doc).
 
     Sequences (request, k) are decoded ``batch_size`` at a time, left-padded, with a KV cache;
-    row (request, k) samples with its own generator seeded ``request.seed + k``.  The model runs on
-    the GPU when there is one; the draw itself is made on the CPU from the logits, with the same
-    per-row generators, so a token depends only on its logits and its seed.
+    row (request, k) samples with its own generator seeded ``request.seed + k``, so a token depends
+    only on its logits and its seed.  Model and draw run on the GPU when there is one (generators on
+    that device: reproducible there, not bit-equal to CPU draws); only the chosen token and its
+    log-prob per row come back to the host each step.  (Drawing on the host cost ~0.4 s per step for
+    128 rows on one core: the whole stage, and it stalled 8 parallel sweep configs on a GPU machine.)
     """
 
     name = "hf"
@@ -356,7 +359,7 @@ class HFBackend:
         ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts], device=dev)          # (B, P)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)     # (B, P)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)                                           # (B, P)
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
         toks: list[list[int]] = [[] for _ in range(b)]
         lps: list[list[float]] = [[] for _ in range(b)]
         done: list[Sample | None] = [None] * b
@@ -366,7 +369,7 @@ class HFBackend:
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
                                  use_cache=True, logits_to_keep=1)
                 past = out.past_key_values
-                logits = out.logits[:, -1, :].float().cpu()                                # (B, V)
+                logits = out.logits[:, -1, :].float()                                      # (B, V) on dev
                 nxt = sample_tokens(logits, gens, spec)                                    # (B,)
                 lp = logits.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]                 # (B,)
                 for i, (t, v) in enumerate(zip(nxt.tolist(), lp.tolist())):
@@ -376,7 +379,7 @@ class HFBackend:
                         done[i] = self._finished(toks[i], lps[i], spec, last=step == spec.max_new_tokens - 1)
                 if all(d is not None for d in done):
                     break
-                ids = nxt[:, None].to(dev)                                                 # (B, 1)
+                ids = nxt[:, None]                                                         # (B, 1)
                 mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=dev)], dim=1)  # (B, P+step+1)
                 pos = pos[:, -1:] + 1                                                      # (B, 1)
         return done  # type: ignore[return-value]
