@@ -67,7 +67,7 @@ def commands(dvc: dict, params: dict) -> list[tuple[str, str]]:
         table = st["foreach"].strip("${} ")
         (per_iter if table == "iterations" else per_eval).append((name, st["do"]["cmd"], table))
     out = list(before)
-    for key, item in params["iterations"].items():
+    for key, item in params.get("iterations", {}).items():
         out += [(f"{n}@{key}", render(c, key, item)) for n, c, _ in per_iter]
     for n, c, table in per_eval:
         out += [(f"{n}@{key}", render(c, key, item)) for key, item in params[table].items()]
@@ -98,7 +98,7 @@ def run_config(name: str, overrides: list[str], base_params: dict, dvc: dict, ou
         if prefix_shared and stage in PREFIX_STAGES:
             continue
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, shell=True, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+        r = subprocess.run(cmd, check=False, shell=True, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
         times[stage] = round(time.perf_counter() - t0, 1)
         print(f"  {name}: {stage} {times[stage]} s{' FAILED' if r.returncode else ''}", flush=True)
         if r.returncode:
