@@ -118,7 +118,7 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         phases.append({"reference_s": t_ref, "old_s": hist[0].get("prep_s", 0.0),
-                       **{k: sum(h[k] for h in hist) for k in ("forward_s", "backward_s", "optimizer_s")}})
+                       **{k: sum(h.get(k, 0.0) for h in hist) for k in ("forward_s", "backward_s", "optimizer_s")}})
         step += len(hist)
     from grpo_pipeline.flops import param_counts
 

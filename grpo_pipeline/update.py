@@ -130,6 +130,16 @@ def micro_batches(rows: Sequence[int], ctx: DistContext, size: int) -> list[tupl
     return [(mb, True) if mb else ([rows[0]], False) for mb, _ in out]
 
 
+def batch_order(rollouts: Sequence[Rollout], rows: Sequence[int]) -> list[int]:
+    """``rows`` in micro-batch order: a group's rows side by side (they share the prompt's forward,
+    ``policy._shared_prompt_hidden``), by completion length inside it (less right padding per
+    micro-batch: measured 29% -> 19% padded completion cells on the default update at 4 rows).
+
+    The order inside a minibatch does not change its summed loss or gradient.
+    """
+    return sorted(rows, key=lambda i: (rollouts[i].prompt_ids, len(rollouts[i].completion_ids), i))
+
+
 def _batch(rollouts: Sequence[Rollout], idx: list[int], active: bool, *, pad_id: int, device: torch.device):
     rows = [rollouts[i] for i in idx]
     b = collate([r.prompt_ids for r in rows], [r.completion_ids for r in rows], pad_id=pad_id).to(device)
@@ -151,7 +161,7 @@ def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], rows: 
     out = torch.zeros(len(rollouts), C, device=device)                          # (N, C_max)
     was_training = model.training
     model.eval()
-    order = sorted(rows, key=lambda i: (rollouts[i].prompt_ids, i))             # groups together: shared prompts
+    order = batch_order(rollouts, rows)
     for idx, active in tqdm(micro_batches(order, ctx, cfg.micro_batch_size), desc=desc, leave=False,
                             disable=not ctx.is_main):
         _, b = _batch(rollouts, idx, active, pad_id=pad_id, device=device)
@@ -297,9 +307,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         fwd_s = bwd_s = 0.0
         n_tok = sum(len(rollouts[i].completion_ids) for i in mini)             # same on every rank
         norm = {"global_num_seqs": len(mini) / ctx.world_size, "global_num_tokens": n_tok / ctx.world_size}
-        # A group's rows side by side, so micro-batches share prompts (policy._shared_prompt_hidden);
-        # the order inside a minibatch does not change its summed gradient.
-        plan = micro_batches(sorted(mini, key=lambda i: (rollouts[i].prompt_ids, i)), ctx, cfg.micro_batch_size)
+        plan = micro_batches(batch_order(rollouts, mini), ctx, cfg.micro_batch_size)
         sums, maxes = torch.zeros(len(_SUMS), dtype=torch.float64, device=device), None
         bad_keys: list[str] = []
         for j, (idx, active) in enumerate(plan):
