@@ -28,7 +28,9 @@ What this implements (the formulas are in ``grpo_pipeline.losses``)::
 Metrics per optimizer step (over the whole minibatch, all ranks): ``loss``, ``policy_loss``,
 ``kl`` (mean per token; only with a reference), ``clip_frac_low`` / ``clip_frac_high`` (token
 shares), ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``entropy`` (mean per token),
-``grad_norm`` (before clipping), ``lr``, ``tokens``, ``tokens_per_s``, ``peak_memory_mb``; when the rows carry
+``grad_norm`` (before clipping), ``lr``, ``tokens``, ``tokens_per_s``, ``peak_memory_mb``, the step's phases
+``forward_s`` / ``backward_s`` / ``optimizer_s`` (the first step also ``prep_s``, the pi_old / reference passes
+inside this call, and ``old_rows``); when the rows carry
 the sampler's log-probs, the sampler-trainer mismatch of pi_old (``losses.rollout_mismatch``):
 ``mismatch/logp_diff_mean`` / ``mismatch/logp_diff_max`` (|logp_old - logp_sampler|), ``mismatch/outside_cap_share``,
 ``mismatch/kl_k3`` (KL(pi_sampler || pi_old) per token) and ``mismatch/weight_mean`` (the correction's mean weight).

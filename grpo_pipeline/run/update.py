@@ -149,14 +149,14 @@ def phase_times(history: list[dict], times: dict[str, float]) -> dict[str, float
 
 def flop_metrics(n_params: int, head_params: int, rows: list[Rollout], *, mu: int, old_share: float,
                  reference_pass: bool, seconds: float) -> dict[str, float]:
-    """Model TFLOPs of the update's passes over ``rows`` and their TFLOP/s over ``seconds`` (``grpo_pipeline.flops``).
+    """Model GFLOPs of the update's passes over ``rows`` and their GFLOP/s over ``seconds`` (``grpo_pipeline.flops``).
 
     ``mu`` forward+backward passes, the reference's forward, and pi_old's forward over ``old_share`` of the rows.
     """
     dec, comp = useful_tokens([r.prompt_ids for r in rows], [r.completion_ids for r in rows])
     flops = update_flops(n_params, head_params, decoder_tokens=dec, head_tokens=comp, train_passes=mu,
                          nograd_passes=old_share + int(reference_pass))
-    return {"model_tflop": round(flops / 1e12, 4), "tflop_per_s": round(flops / 1e12 / seconds, 4) if seconds else 0.0}
+    return {"model_gflop": round(flops / 1e9, 3), "gflop_per_s": round(flops / 1e9 / seconds, 3) if seconds else 0.0}
 
 
 def iteration_metrics(history: list[dict], *, wall_s: float) -> dict:
