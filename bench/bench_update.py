@@ -14,12 +14,19 @@ runs in a fresh subprocess so that peak memory is its own:
   imports) over model loading and the steps.  Both sides keep the reference model loaded (the stage
   itself frees it before loading the policy, so it needs less than shown here).
 
+* our breakdown per step (reference pass, pi_old pass, forward, backward, optimizer, the rest; the
+  model loads once) and the model FLOP/s (``grpo_pipeline.flops``: 6 N per token for forward+backward,
+  2 N for the reference's forward, N the decoder's parameters without embedding and LM head, plus the
+  LM head on completion tokens; each distinct prompt counted once) as a share of a square-matmul
+  peak in the run's dtype measured in the same process just before and after the steps (MFU).
+
 ::
 
     pip install -e '.[bench]'   # TRL (1.16 works with transformers 5.19)
     python bench/bench_update.py                              # SmolLM2-135M, imported to /tmp once (~30 s)
     python bench/bench_update.py --prompts 2 --steps 1 --warmup 0   # quick look on a CPU
     python bench/bench_update.py --lora 16    # ours with full fine-tuning beside ours with LoRA (update.lora)
+    python bench/bench_update.py --skip-baseline --dtype bfloat16 --micro 4 --no-gradient-checkpointing  # W1's update
 """
 
 from __future__ import annotations
