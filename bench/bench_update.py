@@ -14,12 +14,19 @@ runs in a fresh subprocess so that peak memory is its own:
   imports) over model loading and the steps.  Both sides keep the reference model loaded (the stage
   itself frees it before loading the policy, so it needs less than shown here).
 
+* our breakdown per step (reference pass, pi_old pass, forward, backward, optimizer, the rest; the
+  model loads once) and the model FLOP/s (``grpo_pipeline.flops``: 6 N per token for forward+backward,
+  2 N for the reference's forward, N the decoder's parameters without embedding and LM head, plus the
+  LM head on completion tokens; each distinct prompt counted once) as a share of a square-matmul
+  peak in the run's dtype measured in the same process just before and after the steps (MFU).
+
 ::
 
     pip install -e '.[bench]'   # TRL (1.16 works with transformers 5.19)
     python bench/bench_update.py                              # SmolLM2-135M, imported to /tmp once (~30 s)
     python bench/bench_update.py --prompts 2 --steps 1 --warmup 0   # quick look on a CPU
     python bench/bench_update.py --lora 16    # ours with full fine-tuning beside ours with LoRA (update.lora)
+    python bench/bench_update.py --skip-baseline --dtype bfloat16 --micro 4 --no-gradient-checkpointing  # W1's update
 """
 
 from __future__ import annotations
@@ -92,25 +99,40 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
     cfg = UpdateConfig(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=len(rows), micro_batch_size=args.micro,
                        dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
                        logprob_chunk_size=args.chunk, lora=lora)
+    t0 = time.perf_counter()
     model = load_model(args.model, device=device)
     if cfg.lora is not None:
         from grpo_pipeline.lora import attach
 
         model = attach(model, cfg.lora)
+    t1 = time.perf_counter()
     ref = PolicyModule(load_model(args.model, dtype=args.dtype, device=device).eval().requires_grad_(False),
                        chunk_size=args.chunk)
-    times, cpu, opt, step = [], [], None, 0
+    loads = {"load_policy_s": t1 - t0, "load_reference_s": time.perf_counter() - t1}
+    from grpo_pipeline.flops import matmul_peak
+
+    peak = matmul_peak(getattr(torch, args.dtype), device)   # this process, all its threads, just before the steps
+    times, cpu, phases, opt, step = [], [], [], None, 0
     for _ in range(args.warmup + args.steps):
         _sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
         lp = rollout_logprobs(ref, rows, range(len(rows)), pad_id=data["pad_id"], cfg=cfg, device=device)
+        _sync(device)
+        t_ref = time.perf_counter() - t0
         hist, opt = train(model, rows, cfg, pad_id=data["pad_id"], ref_logprobs=lp, device=device, optimizer=opt,
                           start_step=step, max_tokens=args.max_new)
         _sync(device)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        phases.append({"reference_s": t_ref, "old_s": hist[0].get("prep_s", 0.0),
+                       **{k: sum(h.get(k, 0.0) for h in hist) for k in ("forward_s", "backward_s", "optimizer_s")}})
         step += len(hist)
-    return {"times": times, "cpu_times": cpu, "loss": hist[-1]["loss"], "kl": hist[-1].get("kl"), "baseline_mb": base}
+    from grpo_pipeline.flops import param_counts
+
+    n, head = param_counts(model)
+    return {"times": times, "cpu_times": cpu, "loss": hist[-1]["loss"], "kl": hist[-1].get("kl"), "baseline_mb": base,
+            "phases": phases, "loads": loads, "params": [n, head],
+            "matmul_peak": max(peak, matmul_peak(getattr(torch, args.dtype), device))}
 
 
 # --------------------------------------------------------------------------- TRL's update
@@ -185,6 +207,31 @@ def _sync(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- driver
+def print_breakdown(args, data: dict, ours: dict) -> None:
+    """Our phases (mean over the timed steps) and the model FLOP/s as a share of the measured matmul peak."""
+    from grpo_pipeline.flops import mfu, update_flops, useful_tokens
+
+    ph = ours["phases"][args.warmup:] or ours["phases"]
+    mean = {k: sum(p[k] for p in ph) / len(ph) for k in ph[0]}
+    t = ours["times"][args.warmup:] or ours["times"]
+    step_s = sum(t) / len(t)
+    other = step_s - sum(mean.values())
+    dec, comp = useful_tokens([r["prompt"] for r in data["rows"]], [r["completion"] for r in data["rows"]])
+    n, head = ours["params"]
+    flops = update_flops(n, head, decoder_tokens=dec, head_tokens=comp, train_passes=1, nograd_passes=1)
+    peak = ours["matmul_peak"]
+    loads = "  ".join(f"{k[:-2]} {v:.1f} s" for k, v in ours["loads"].items())
+    print(f" ours breakdown per step: " + "  ".join(f"{k[:-2]} {v:.2f} s" for k, v in mean.items())
+          + f"  other {other:.2f} s  = {step_s:.2f} s   (once: {loads})")
+    print(f" ours FLOPs: N = {n / 1e6:.1f}M decoder parameters (no embedding / head) + head {head / 1e6:.1f}M, "
+          f"{dec} decoder tokens (distinct prompts once), {comp} completion tokens: "
+          f"{flops / 1e12:.2f} TFLOP per step (fwd+bwd 3x + reference 1x forward)")
+    print(f" ours MFU: {flops / step_s / 1e9:.1f} GFLOP/s of a measured {args.dtype} matmul peak "
+          f"{peak / 1e9:.1f} GFLOP/s = {mfu(flops, step_s, peak):.1%}"
+          f"  (forward+backward+optimizer only: {mfu(flops * 3 / 4, step_s - mean['reference_s'], peak):.1%})")
+
+
+
 def run_side(args, side: str, data_path: str) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--data", data_path, *sys.argv[1:]]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -210,6 +257,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="compare ours with LoRA of this rank (alpha 2 x rank, default targets) instead of TRL")
+    p.add_argument("--skip-baseline", action="store_true", help="ours only (quick iterations)")
     p.add_argument("--side", choices=["ours", "trl", "lora"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -243,7 +291,7 @@ def main() -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     res = {}
     other = "lora" if args.lora else "trl"
-    for side in ("ours", other):
+    for side in ("ours",) if args.skip_baseline else ("ours", other):
         res[side] = run_side(args, side, f.name)
         t = res[side]["times"][args.warmup:] or res[side]["times"]
         c = res[side]["cpu_times"][args.warmup:] or res[side]["cpu_times"]
@@ -255,6 +303,9 @@ def main() -> None:
               f"step times {[round(x, 2) for x in res[side]['times']]}  "
               f"{res[side]['tokens_per_cpu_s']:.2f} tokens per CPU-second  loss {res[side]['loss']}", flush=True)
     os.unlink(f.name)
+    print_breakdown(args, data, res["ours"])
+    if args.skip_baseline:
+        return
     speed = res["ours"]["tokens_per_s"] / res[other]["tokens_per_s"]
     mem = res["ours"]["peak_memory_mb"] / res[other]["peak_memory_mb"]
     upd = res["ours"]["update_mb"] / res[other]["update_mb"]

@@ -28,7 +28,9 @@ What this implements (the formulas are in ``grpo_pipeline.losses``)::
 Metrics per optimizer step (over the whole minibatch, all ranks): ``loss``, ``policy_loss``,
 ``kl`` (mean per token; only with a reference), ``clip_frac_low`` / ``clip_frac_high`` (token
 shares), ``ratio_mean`` / ``ratio_min`` / ``ratio_max``, ``entropy`` (mean per token),
-``grad_norm`` (before clipping), ``lr``, ``tokens``, ``tokens_per_s``, ``peak_memory_mb``; when the rows carry
+``grad_norm`` (before clipping), ``lr``, ``tokens``, ``tokens_per_s``, ``peak_memory_mb``, the step's phases
+``forward_s`` / ``backward_s`` / ``optimizer_s`` (the first step also ``prep_s``, the pi_old / reference passes
+inside this call, and ``old_rows``); when the rows carry
 the sampler's log-probs, the sampler-trainer mismatch of pi_old (``losses.rollout_mismatch``):
 ``mismatch/logp_diff_mean`` / ``mismatch/logp_diff_max`` (|logp_old - logp_sampler|), ``mismatch/outside_cap_share``,
 ``mismatch/kl_k3`` (KL(pi_sampler || pi_old) per token) and ``mismatch/weight_mean`` (the correction's mean weight).
@@ -104,6 +106,13 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: UpdateConfig) -> torch
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done (phase timings)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA: peak allocated since the update started; CPU: the process's peak resident set."""
     if device.type == "cuda":
@@ -121,6 +130,16 @@ def micro_batches(rows: Sequence[int], ctx: DistContext, size: int) -> list[tupl
     n = math.ceil(math.ceil(len(rows) / ctx.world_size) / size)
     out = [(shard[k * size: (k + 1) * size], True) for k in range(n)]
     return [(mb, True) if mb else ([rows[0]], False) for mb, _ in out]
+
+
+def batch_order(rollouts: Sequence[Rollout], rows: Sequence[int]) -> list[int]:
+    """``rows`` in micro-batch order: a group's rows side by side (they share the prompt's forward,
+    ``policy._shared_prompt_hidden``), by completion length inside it (less right padding per
+    micro-batch: measured 29% -> 19% padded completion cells on the default update at 4 rows).
+
+    The order inside a minibatch does not change its summed loss or gradient.
+    """
+    return sorted(rows, key=lambda i: (rollouts[i].prompt_ids, len(rollouts[i].completion_ids), i))
 
 
 def _batch(rollouts: Sequence[Rollout], idx: list[int], active: bool, *, pad_id: int, device: torch.device):
@@ -144,7 +163,7 @@ def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], rows: 
     out = torch.zeros(len(rollouts), C, device=device)                          # (N, C_max)
     was_training = model.training
     model.eval()
-    order = sorted(rows, key=lambda i: (rollouts[i].prompt_ids, i))             # groups together: shared prompts
+    order = batch_order(rollouts, rows)
     for idx, active in tqdm(micro_batches(order, ctx, cfg.micro_batch_size), desc=desc, leave=False,
                             disable=not ctx.is_main):
         _, b = _batch(rollouts, idx, active, pad_id=pad_id, device=device)
@@ -272,7 +291,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
              for lo in range(0, len(rollouts), cfg.minibatch_size)]
     later = sorted({i for _, mini in steps[1:] for i in mini})
     ref_is_old = cfg.beta > 0 and cfg.reference == "old"
-    t_prep = time.perf_counter()
+    t_prep = clock(device)
     logp_old = (rollout_logprobs(module, rollouts, later, pad_id=pad_id, cfg=cfg, device=device, ctx=ctx,
                                  desc="old log-probs") if later else None)
     logp_ref = ref_logprobs.to(device) if ref_logprobs is not None else None
@@ -281,17 +300,16 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
             raise ValueError("update.beta > 0 with reference 'sft' needs the reference model or its log-probs")
         logp_ref = rollout_logprobs(ref_model, rollouts, range(len(rollouts)), pad_id=pad_id, cfg=cfg, device=device,
                                     ctx=ctx, desc="reference log-probs")
-    prep_s = time.perf_counter() - t_prep
+    prep_s = clock(device) - t_prep
 
     history: list[dict] = []
     bar = tqdm(total=len(steps), desc="update", leave=False, disable=not ctx.is_main)
     for k, (epoch, mini) in enumerate(steps):
-        t0 = time.perf_counter()
+        t0 = clock(device)
+        fwd_s = bwd_s = 0.0
         n_tok = sum(len(rollouts[i].completion_ids) for i in mini)             # same on every rank
         norm = {"global_num_seqs": len(mini) / ctx.world_size, "global_num_tokens": n_tok / ctx.world_size}
-        # A group's rows side by side, so micro-batches share prompts (policy._shared_prompt_hidden);
-        # the order inside a minibatch does not change its summed gradient.
-        plan = micro_batches(sorted(mini, key=lambda i: (rollouts[i].prompt_ids, i)), ctx, cfg.micro_batch_size)
+        plan = micro_batches(batch_order(rollouts, mini), ctx, cfg.micro_batch_size)
         sums, maxes = torch.zeros(len(_SUMS), dtype=torch.float64, device=device), None
         bad_keys: list[str] = []
         for j, (idx, active) in enumerate(plan):
@@ -299,6 +317,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
             C = b.completion_ids.shape[1]
             sel = torch.tensor(idx, device=device)
             with no_sync(module, ctx, sync=j == len(plan) - 1):
+                t_f = clock(device)
                 with autocast(cfg, device):
                     logp, ent = completion_logprobs(module, b, with_entropy=True)   # (b, C) each
                 old = logp.detach() if k == 0 else logp_old[sel, :C]
@@ -312,7 +331,9 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
                                     rollout_correction=cfg.rollout_correction,
                                     rollout_correction_level=cfg.rollout_correction_level,
                                     rollout_correction_cap=cfg.rollout_correction_cap, **norm)
+                t_b = clock(device)
                 loss.backward()                                  # a non-finite loss is reported below
+                fwd_s, bwd_s = fwd_s + t_b - t_f, bwd_s + clock(device) - t_b
             s, mx = _micro_stats(loss, m, ent, b.completion_mask)
             sums += s
             maxes = mx if maxes is None else torch.maximum(maxes, mx)
@@ -322,6 +343,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         if stats.pop("non_finite"):
             where = f"rows {', '.join(bad_keys)}, ..." if bad_keys else "on another rank"
             raise NonFiniteError(f"non-finite loss {stats['loss']} at step {start_step + k} ({where}); nothing written")
+        t_o = clock(device)
         gnorm = grad_norm(params)
         if not torch.isfinite(gnorm):
             raise NonFiniteError(f"non-finite gradient norm {float(gnorm)} at step {start_step + k}; nothing written")
@@ -330,13 +352,16 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         optimizer.step()
         sched.step()
         optimizer.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
+        t_end = clock(device)
+        dt = t_end - t0
         peak = float(ctx.reduce(torch.tensor([peak_memory_mb(device)], dtype=torch.float64), "max"))
         stats.update(step=start_step + k, epoch=epoch, grad_norm=float(gnorm), lr=lr, tokens=n_tok,
-                     time_s=dt, tokens_per_s=n_tok / dt, peak_memory_mb=peak)
+                     time_s=dt, tokens_per_s=n_tok / dt, peak_memory_mb=peak,
+                     forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t_o)
         history.append(stats)
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.4f}", kl=f"{stats.get('kl', 0):.4f}")
     bar.close()
     history[0]["prep_s"] = prep_s    # old / reference log-prob passes inside this call
+    history[0]["old_rows"] = len(later)
     return history, optimizer

@@ -23,7 +23,8 @@ from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.io import write_json
 from grpo_pipeline.run import deterministic, summary
-from grpo_pipeline.update import Rollout, make_optimizer, rollout_logprobs, train
+from grpo_pipeline.flops import param_counts, update_flops, useful_tokens
+from grpo_pipeline.update import Rollout, clock, make_optimizer, rollout_logprobs, train
 
 ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids",
                    "completion_token_ends", "finish_reason", "completion_logprobs"]
@@ -94,16 +95,20 @@ def _free(device: torch.device) -> None:
 
 
 def _reference_logprobs(cfg: UpdateConfig, reference: str | None, rows: list[Rollout], *, pad_id: int,
-                        ctx: distributed.DistContext) -> torch.Tensor | None:
+                        ctx: distributed.DistContext, times: dict[str, float]) -> torch.Tensor | None:
+    """The reference's (N, C_max) log-probs (``None`` without a reference); its load and pass timed into ``times``."""
     if not (cfg.beta > 0 and cfg.reference == "sft"):
         return None
     if not reference:
         raise ValueError("update.reference is 'sft' but no reference checkpoint was given (--reference)")
+    t0 = clock(ctx.device)
     ref = load_model(reference, dtype="bfloat16" if cfg.dtype == "bfloat16" else "float32",
                      device=distributed.load_device(ctx))
     module = distributed.wrap(ref.eval().requires_grad_(False), ctx, cfg, train=False)
+    t1 = clock(ctx.device)
     out = rollout_logprobs(module, rows, range(len(rows)), pad_id=pad_id, cfg=cfg, device=ctx.device, ctx=ctx,
                            desc="reference log-probs")
+    times.update(load_reference=t1 - t0, reference=clock(ctx.device) - t1)
     del module, ref
     _free(ctx.device)
     return out
@@ -129,6 +134,29 @@ def _round(key: str, v):
     if not isinstance(v, float):
         return v
     return float(f"{v:.4g}") if key.startswith("mismatch/") else round(v, 6)
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def phase_times(history: list[dict], times: dict[str, float]) -> dict[str, float]:
+    """``time/<phase>_s`` of the iteration: the stage's own (loads, reference pass, write) and the steps' sums."""
+    out = dict(times)
+    out["old_logprobs"] = history[0].get("prep_s", 0.0)
+    out.update({k: sum(h.get(f"{k}_s", 0.0) for h in history) for k in PHASES})
+    return {f"time/{k}_s": round(v, 3) for k, v in out.items()}
+
+
+def flop_metrics(n_params: int, head_params: int, rows: list[Rollout], *, mu: int, old_share: float,
+                 reference_pass: bool, seconds: float) -> dict[str, float]:
+    """Model GFLOPs of the update's passes over ``rows`` and their GFLOP/s over ``seconds`` (``grpo_pipeline.flops``).
+
+    ``mu`` forward+backward passes, the reference's forward, and pi_old's forward over ``old_share`` of the rows.
+    """
+    dec, comp = useful_tokens([r.prompt_ids for r in rows], [r.completion_ids for r in rows])
+    flops = update_flops(n_params, head_params, decoder_tokens=dec, head_tokens=comp, train_passes=mu,
+                         nograd_passes=old_share + int(reference_pass))
+    return {"model_gflop": round(flops / 1e9, 3), "gflop_per_s": round(flops / 1e9 / seconds, 3) if seconds else 0.0}
 
 
 def iteration_metrics(history: list[dict], *, wall_s: float) -> dict:
@@ -189,9 +217,12 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
             return _nothing_to_learn(policy, tokenizer, out, prev, left_out, iteration=iteration, ctx=ctx,
                                      metrics_path=metrics_path, steps_path=steps_path, t_start=t_start)
         start_step = int(prev.get("train_state", {}).get("global_step", 0))
-        ref_lp = _reference_logprobs(cfg, reference, rows, pad_id=pad_id, ctx=ctx)
+        times: dict[str, float] = {}
+        ref_lp = _reference_logprobs(cfg, reference, rows, pad_id=pad_id, ctx=ctx, times=times)
 
+        t0 = clock(ctx.device)
         model = load_model(policy, dtype="float32", device=distributed.load_device(ctx))
+        n_params, head_params = param_counts(model)
         carry = cfg.optimizer_state == "carry"
         state, reason = None, "fresh: update.optimizer_state is 'fresh'"
         if carry:
@@ -207,10 +238,12 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
         del state
         if ctx.is_main:
             print(f"[update@{iteration}] optimizer state: {reason}", flush=True)
+        times["load_policy"] = clock(ctx.device) - t0
 
         history, optimizer = train(module, rows, cfg, pad_id=pad_id, ref_logprobs=ref_lp, device=ctx.device,
                                    optimizer=optimizer, start_step=start_step, max_tokens=_budget(rollouts), ctx=ctx)
         global_step = start_step + len(history)
+        t0 = clock(ctx.device)
         full = distributed.full_model_state(module, ctx)                      # collective
         opt_state = distributed.full_optimizer_state(module, optimizer, ctx) if carry else None
         if ctx.is_main:
@@ -227,7 +260,13 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                                        global_step=global_step) if carry else None)
             save_checkpoint(saver, tokenizer, out, metadata=meta, extra=extra)
         del full, opt_state
+        times["write"] = clock(ctx.device) - t0
         metrics = iteration_metrics(history, wall_s=time.perf_counter() - t_start)
+        compute_s = times.get("reference", 0.0) + history[0].get("prep_s", 0.0) + sum(h["time_s"] for h in history)
+        metrics.update(flop_metrics(n_params, head_params, rows, mu=cfg.mu,
+                                    old_share=history[0].get("old_rows", 0) / len(rows),
+                                    reference_pass="reference" in times, seconds=compute_s),
+                       **phase_times(history, times))
         metrics.update(sequences=len(rows), **left_out, world_size=ctx.world_size,
                        optimizer_state=reason.split(":")[0])
         if ctx.is_main:

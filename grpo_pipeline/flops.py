@@ -1,0 +1,80 @@
+"""Model FLOPs of the update and its share of a matmul peak measured on this machine (MFU).
+
+Counting (the usual "6 N D" convention, attention's score/value products left out: they are
+small next to the weights at these lengths):
+
+* ``N``: the decoder's parameters without the token embedding and the LM head
+  (:func:`param_counts`); each token the decoder processes costs ``2 N`` forward.
+* the LM head (``H x V``) is applied to completion tokens only (``grpo_pipeline.policy``):
+  ``2 H V`` per completion token forward.
+* tokens: each distinct prompt once (a group's rows share it) plus every completion token,
+  the work a perfect implementation cannot avoid; padding and gradient-checkpointing recompute
+  are not counted (model FLOPs, not hardware FLOPs).
+* a forward + backward costs 3 forwards; a no-grad pass (reference, pi_old) 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+
+def param_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(N, H * V)``: decoder parameters without embedding and LM head, and the LM head's weight size.
+
+    A tied head counts once, as the head (its input-embedding use is a lookup, no FLOPs).
+    """
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    skip = {id(emb), id(head)}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    return n, head.numel()
+
+
+def forward_flops(n_params: int, head_params: int, *, decoder_tokens: int, head_tokens: int) -> float:
+    """FLOPs of one forward pass: ``2 N`` per decoder token plus ``2 H V`` per projected token."""
+    return 2.0 * n_params * decoder_tokens + 2.0 * head_params * head_tokens
+
+
+def useful_tokens(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """``(decoder_tokens, completion_tokens)``: distinct prompts once, plus every completion token."""
+    distinct = {tuple(p) for p in prompts}
+    n_comp = sum(len(c) for c in completions)
+    return sum(len(p) for p in distinct) + n_comp, n_comp
+
+
+def update_flops(n_params: int, head_params: int, *, decoder_tokens: int, head_tokens: int,
+                 train_passes: float = 1, nograd_passes: float = 0) -> float:
+    """Model FLOPs of ``train_passes`` forward+backward and ``nograd_passes`` forward-only passes over the rows."""
+    fwd = forward_flops(n_params, head_params, decoder_tokens=decoder_tokens, head_tokens=head_tokens)
+    return (3.0 * train_passes + nograd_passes) * fwd
+
+
+def matmul_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *, size: int = 2048,
+                seconds: float = 1.0) -> float:
+    """Best measured FLOP/s of a ``size``-square matmul in ``dtype`` on ``device`` (all threads), over ~``seconds``."""
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(size, size, generator=g).to(device, dtype)
+    b = torch.randn(size, size, generator=g).to(device, dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a @ b
+    sync()
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds or best == float("inf"):
+        t = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * size**3 / best
+
+
+def mfu(flops: float, seconds: float, peak: float) -> float:
+    """Achieved FLOP/s as a share of ``peak`` FLOP/s."""
+    return flops / seconds / peak if seconds > 0 and peak > 0 else float("nan")
