@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.tiny import build_tiny_model
+
+# `dtype: auto` resolves to bfloat16 on CPUs with AVX512-BF16/AMX and to float32 elsewhere; the tests
+# compare updates, checkpoints and ranks at float32 tolerances, so here auto means float32 on every machine
+# (stages and torchrun workers the tests start inherit it). tests/test_dynamic.py tests the resolution itself.
+os.environ.setdefault("GRPO_AUTO_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -174,3 +174,13 @@ def test_filter_reward_missing_component_falls_back_to_the_total(tmp_path, capsy
     total = advantage.run(AdvantageConfig(filter_groups=True, filter_reward="total"), scores=str(tmp_path / "s.parquet"),
                           out=str(tmp_path / "b.parquet"), metrics_path=None)
     assert m["dynamic/kept_groups"] == total["dynamic/kept_groups"]
+
+
+def test_auto_dtype_env_overrides_the_hardware_check(monkeypatch, capsys):
+    monkeypatch.setenv("GRPO_AUTO_DTYPE", "bfloat16")
+    assert resolve_dtype("auto", what="update") == "bfloat16"
+    assert "[update] dtype auto -> bfloat16 (GRPO_AUTO_DTYPE=bfloat16)" in capsys.readouterr().out
+    assert resolve_dtype("float32", what="update") == "float32"           # an explicit dtype wins
+    monkeypatch.setenv("GRPO_AUTO_DTYPE", "fp16")
+    with pytest.raises(ValueError, match="GRPO_AUTO_DTYPE='fp16'"):
+        resolve_dtype("auto", what="update")
