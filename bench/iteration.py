@@ -62,7 +62,11 @@ def setup(work: Path, precision: str) -> Path:
     params.pop("iterations"), params.pop("evaluations")
     dt = "bfloat16" if precision == "bf16" else "float32"
     params["sft"].update(max_examples=8, batch_size=8, epochs=1)       # SFT is not part of W1: one step
-    params["sampling"].update(prompts_per_iteration=8, group_size=8, max_new_tokens=128, temperature=1.0, dtype=dt)
+    params["sampling"].update(prompts_per_iteration=8, group_size=8, max_new_tokens=128, temperature=1.0, dtype=dt,
+                              spare_prompts=0)
+    # W1 trains on all 64 completions, as TRL's step does: with dynamic sampling on (the default), the
+    # one-step SFT's mostly all-wrong groups were dropped and the update took no step at all
+    params["advantage"].update(filter_groups=False)
     params["update"].update(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=64, dtype=dt)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     sys.path.insert(0, str(ROOT))
@@ -80,6 +84,8 @@ def run_ours(repo: Path) -> dict:
         wall, rss, _ = measure([sys.executable, "-m", "dvc", "repro", "-f", "-s", stage], repo, env)
         res[stage] = {"wall_s": wall, "peak_rss_mb": rss}
     upd = json.loads((repo / "metrics/iterations/it0/update.json").read_text())
+    if not upd.get("steps") or upd.get("sequences") != 64:
+        sys.exit(f"W1's update trained on {upd.get('sequences')} sequences in {upd.get('steps')} steps, not 64 in 1")
     res["update_tokens_per_s"] = upd.get("tokens_per_s")
     res["total_s"] = sum(v["wall_s"] for k, v in res.items() if k in STAGES)
     res["peak_rss_mb"] = max(v["peak_rss_mb"] for k, v in res.items() if k in STAGES)
@@ -168,7 +174,7 @@ def main() -> None:
             trl.append(run_trl(repo, a.precision))
             print(f"round {r}: TRL step {trl[-1]['step_s']:.1f} s, peak {trl[-1]['peak_rss_mb']:.0f} MiB", flush=True)
     print(f"\nW1, {a.precision}, {a.rounds} rounds (median of rounds)")
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = lambda xs: sorted(xs)[len(xs) // 2]
     print(f"{'stage':<16}{'wall s':>10}{'peak MiB':>10}")
     for s in STAGES:
         print(f"{s:<16}{med([o[s]['wall_s'] for o in ours]):>10.1f}{med([o[s]['peak_rss_mb'] for o in ours]):>10.0f}")
