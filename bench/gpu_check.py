@@ -118,6 +118,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--models", default="w1,random-0.5b")
     p.add_argument("--backend", choices=["auto", "vllm", "hf"], default="auto", help="auto: vllm where importable")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer dir for random-0.5b (default: W1's imported base model, running W1 first)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("-S", "--set", action="append", default=[], help="override for every model (key=value)")
     args = p.parse_args()
@@ -141,7 +143,7 @@ def main() -> None:
     results = []
     for n in names:
         if n == "random-0.5b":
-            src = next((out / r["name"] / "models/base" for r in results if r["name"] == "w1"), None)
+            src = args.tokenizer or next((out / r["name"] / "models/base" for r in results if r["name"] == "w1"), None)
             if src is None:  # the tokenizer comes from W1's imported base model
                 results.append(run_model("w1", [*args.set], out, backend))
                 src = out / "w1" / "models/base"
