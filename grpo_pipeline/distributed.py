@@ -136,9 +136,13 @@ def wrap(lm: torch.nn.Module, ctx: DistContext, cfg: UpdateConfig, *, train: boo
     if train and cfg.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # FSDP2 all-gathers a layer's weights on each call: every rank must call the decoder as often as the
-    # others, so the shared-prompt forward (two decoder calls, only where a micro-batch shares prompts) is off.
-    module = PolicyModule(lm, chunk_size=cfg.logprob_chunk_size,
-                          share_prompts=not (ctx.strategy == "fsdp" and ctx.world_size > 1))
+    # others, so the ranks agree (one all-reduce per micro-batch) on whether all take the shared-prompt
+    # forward (two decoder calls) or none does.
+    agree = None
+    if ctx.strategy == "fsdp" and ctx.world_size > 1:
+        def agree(ok: bool) -> bool:
+            return bool(ctx.reduce(torch.tensor([float(ok)]), "min").item())
+    module = PolicyModule(lm, chunk_size=cfg.logprob_chunk_size, agree=agree)
     if ctx.strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -25,7 +25,8 @@ all-gather) see every use of the weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,47 +120,118 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: tor
     return torch.nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
 
 
-def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch) -> torch.Tensor | None:
+@functools.cache
+def _replay_safe_layers() -> tuple[type, type]:
+    """Two ``DynamicLayer`` kinds whose ``update`` a gradient-checkpointing replay can repeat.
+
+    * ``PromptLayer`` *sets* the prompt pass's K/V (an ordinary layer appends, so a replay would
+      double it);
+    * ``PrefixLayer`` holds a fixed prefix (B, h, P, d) and returns prefix + new without storing.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class PromptLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+
+    class PrefixLayer(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    return PromptLayer, PrefixLayer
+
+
+def _checkpointed_layers(decoder: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The decoder's blocks that checkpoint activations now; ``None`` where they are not HF
+    ``GradientCheckpointingLayer`` s (their cache handling under checkpointing is unknown)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not any(getattr(m, "gradient_checkpointing", False) for m in decoder.modules()):
+        return []
+    layers = list(getattr(decoder, "layers", None) or [])
+    if not layers or not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
+        return None
+    return [m for m in layers if m.gradient_checkpointing]
+
+
+def can_share_prompts(decoder: torch.nn.Module) -> bool:
+    """Whether :func:`_shared_prompt_hidden` can run this decoder (plain dynamic cache, known checkpointing)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache(config=getattr(decoder, "config", None))
+    return (all(type(layer) is DynamicLayer for layer in cache.layers)     # no sliding window etc.
+            and _checkpointed_layers(decoder) is not None)
+
+
+def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch, *, force: bool = False) -> torch.Tensor | None:
     """(B, C, H) decoder states that predict the completion tokens, each distinct prompt run once.
 
     A GRPO group's G rows share one prompt.  The U distinct prompts (U, P) go through the decoder
-    once, with the KV cache on; the cache is then gathered to the B rows (an index, differentiable)
-    and the completions (B, C) run on top of it.  Gradients reach the prompt's computation through
-    the cached keys and values, so the result equals the full (B, P + C) forward: same function,
-    fewer FLOPs (prompt tokens once per group instead of G times).  ``None`` when nothing is shared
-    or the model's cache is not the plain dynamic one (the caller then runs the full forward).
+    once, keeping each layer's keys and values; those are gathered to the B rows (an index,
+    differentiable) and the completions (B, C) run on top of them.  Gradients reach the prompt's
+    computation through the cached keys and values, so the result equals the full (B, P + C)
+    forward: same function, fewer FLOPs (prompt tokens once per group instead of G times).
+
+    Under gradient checkpointing each block's forward is replayed in backward with the same
+    cache object; the prompt pass's cache *sets* its K/V and the completion pass's reads a fixed
+    prefix and stores nothing, so a replay computes exactly what the forward did (HF drops a
+    cache under checkpointing because its ordinary cache would append a second time).
+
+    ``None`` when nothing is shared (unless ``force``: FSDP needs every rank to make the same
+    decoder calls) or the model cannot (:func:`can_share_prompts`); the caller then runs the
+    full forward.
     """
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache
 
     P = batch.input_ids.shape[1] - batch.completion_ids.shape[1]
-    if P < 1 or getattr(decoder, "gradient_checkpointing", False):   # HF turns the cache off there
+    if P < 1 or not can_share_prompts(decoder):
         return None
     key = torch.cat([batch.input_ids[:, :P], batch.attention_mask[:, :P]], dim=1)   # (B, 2P): pads count
     uniq, inverse = torch.unique(key, dim=0, return_inverse=True)                     # (U, 2P), (B,)
-    if uniq.shape[0] == key.shape[0]:
+    if uniq.shape[0] == key.shape[0] and not force:
         return None
     first = torch.empty(uniq.shape[0], dtype=torch.long, device=inverse.device)      # (U,) one row per prompt
     first.scatter_(0, inverse, torch.arange(len(inverse), device=inverse.device))
-    cache = DynamicCache(config=getattr(decoder, "config", None))
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):              # sliding window etc.
-        return None
-    out = decoder(input_ids=batch.input_ids[first, :P], attention_mask=batch.attention_mask[first, :P],
-                  position_ids=batch.position_ids[first, :P], past_key_values=cache, use_cache=True)
-    cache = out.past_key_values
-    if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    cache.batch_select_indices(inverse)                                       # (U, ...) -> (B, ...)
-    last = out.last_hidden_state[inverse, -1:]                                # (B, 1, H): predicts o_1
-    comp = decoder(input_ids=batch.input_ids[:, P:-1], attention_mask=batch.attention_mask[:, :-1],
-                   position_ids=batch.position_ids[:, P:-1], past_key_values=cache, use_cache=True)
+    config = getattr(decoder, "config", None)
+    prompt_layer, prefix_layer = _replay_safe_layers()
+    prompt_cache = DynamicCache(config=config)
+    prompt_cache.layers = [prompt_layer() for _ in prompt_cache.layers]
+    checkpointed = _checkpointed_layers(decoder) or []
+    for m in checkpointed:                 # let HF pass these replay-safe caches through its checkpointing
+        m._can_checkpoint_with_cache = True
+    try:
+        out = decoder(input_ids=batch.input_ids[first, :P], attention_mask=batch.attention_mask[first, :P],
+                      position_ids=batch.position_ids[first, :P], past_key_values=prompt_cache, use_cache=True)
+        last = out.last_hidden_state[inverse, -1:]                            # (B, 1, H): predicts o_1
+        cache = DynamicCache(config=config)
+        cache.layers = [prefix_layer(layer.keys[inverse], layer.values[inverse])   # (U, ...) -> (B, ...)
+                        for layer in prompt_cache.layers]
+        comp = decoder(input_ids=batch.input_ids[:, P:-1], attention_mask=batch.attention_mask[:, :-1],
+                       position_ids=batch.position_ids[:, P:-1], past_key_values=cache, use_cache=True)
+    finally:
+        for m in checkpointed:
+            m.__dict__.pop("_can_checkpoint_with_cache", None)
     return torch.cat([last, comp.last_hidden_state], dim=1)                  # (B, C, H)
 
 
 def _fused_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int, with_entropy: bool,
-                    share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    share_prompts: bool = True,
+                    agree: Callable[[bool], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     C = batch.completion_ids.shape[1]
     decoder = model.get_decoder()
-    hidden = _shared_prompt_hidden(decoder, batch) if share_prompts and C > 1 else None
+    hidden = None
+    if share_prompts and agree is None:
+        hidden = _shared_prompt_hidden(decoder, batch) if C > 1 else None
+    elif share_prompts and agree(C > 1 and batch.input_ids.shape[1] > C and can_share_prompts(decoder)):
+        hidden = _shared_prompt_hidden(decoder, batch, force=True)   # all ranks: the same two decoder calls
     if hidden is None:
         out = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, use_cache=False)
@@ -196,18 +268,20 @@ def _logits_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int,
 
 
 def model_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int = 1024, with_entropy: bool = False,
-                   share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   share_prompts: bool = True,
+                   agree: Callable[[bool], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) (B, C) float32 of a plain HF causal LM, 0 at padding; entropy (B, C) if asked.
 
     ``share_prompts``: rows with the same prompt run it once (see :func:`_shared_prompt_hidden`;
-    plain-linear-head models only).
+    plain-linear-head models only).  ``agree``: under FSDP, the AND of a flag over all ranks; the
+    shared-prompt forward then runs on every rank or on none, so all make the same decoder calls.
     """
     if chunk_size < 1:
         msg = f"chunk_size must be >= 1, got {chunk_size}"
         raise ValueError(msg)
     if _plain_linear_head(model):
         return _fused_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy,
-                               share_prompts=share_prompts)
+                               share_prompts=share_prompts, agree=agree)
     return _logits_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy)
 
 
@@ -217,17 +291,19 @@ class PolicyModule(torch.nn.Module):
     The wrapped model is ``self.lm``; parameters are shared, not copied.
     """
 
-    def __init__(self, lm: torch.nn.Module, *, chunk_size: int = 1024, share_prompts: bool = True) -> None:
+    def __init__(self, lm: torch.nn.Module, *, chunk_size: int = 1024, share_prompts: bool = True,
+                 agree: Callable[[bool], bool] | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
         self.share_prompts = share_prompts
+        self.agree = agree
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 completion_ids: torch.Tensor, completion_mask: torch.Tensor, with_entropy: bool = False):
         b = Batch(input_ids, attention_mask, position_ids, completion_ids, completion_mask)
         return model_logprobs(self.lm, b, chunk_size=self.chunk_size, with_entropy=with_entropy,
-                              share_prompts=self.share_prompts)
+                              share_prompts=self.share_prompts, agree=self.agree)
 
 
 def is_policy_module(model: torch.nn.Module) -> bool:

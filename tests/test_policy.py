@@ -47,9 +47,15 @@ def test_padded_batch_logprobs_equal_unpadded(model):
             torch.testing.assert_close(lp[i, : len(r.completion_ids)], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, monkeypatch):
-    """Rows of a group share their prompt: it runs once, its KV cache feeds the G completions."""
-    import grpo_pipeline.policy as policy
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, monkeypatch, checkpointing):
+    """Rows of a group share their prompt: it runs once, its KV cache feeds the G completions.
+
+    Under gradient checkpointing too: each block is replayed in backward with the same cache objects
+    (HF's own cache would append the K/V a second time there); compared with the full forward
+    without checkpointing, in value and in every parameter's gradient.
+    """
+    from grpo_pipeline import policy
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 9, 6)]
@@ -68,8 +74,18 @@ def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, 
     calls = []
     real = policy._shared_prompt_hidden
     monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt: calls.append(out := real(d, bt)) or out)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        runs, mlp = [], model.get_decoder().layers[0].mlp
+        monkeypatch.setattr(mlp, "forward", lambda x, f=mlp.forward: runs.append(x.shape) or f(x))
     lp_shared, g_shared = value_and_grads()
     assert calls and calls[0] is not None and calls[0].shape[:2] == b.completion_ids.shape   # took the shared path
+    if checkpointing:
+        assert len(runs) == 4 and runs[:2] == runs[2:][::-1]   # prompt, completion pass; replayed in backward
+        monkeypatch.undo()
+        model.gradient_checkpointing_disable()
+        assert not any("_can_checkpoint_with_cache" in vars(m) for m in model.modules())   # flag was temporary
     monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt: None)
     lp_full, g_full = value_and_grads()
     torch.testing.assert_close(lp_shared, lp_full, atol=1e-5, rtol=1e-5)
