@@ -16,7 +16,8 @@ map (logit soft-capping or scaling) fall back to the model's own forward with
 Compute: the G rows of a group share their prompt, so the decoder runs each distinct prompt of a
 micro-batch once and the completions on its (gathered, differentiable) KV cache — the same
 function, with prompt tokens computed once per group instead of G times (measured on the default
-update, SmolLM2-135M, 64 rows: optimizer step 86 s -> 42 s, peak RSS 8.4 -> 5.3 GB).
+update, SmolLM2-135M, 64 rows: optimizer step 86 s -> 42 s, peak RSS 8.4 -> 5.3 GB), also under
+gradient checkpointing (replay-safe cache layers) and multi-process FSDP2 (the ranks agree per micro-batch).
 
 :class:`PolicyModule` wraps a Hugging Face causal LM so that this whole computation is one
 ``forward``: DDP and FSDP2 wrap that module, so their hooks (gradient sync, parameter
