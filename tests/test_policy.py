@@ -99,6 +99,32 @@ def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, 
             torch.testing.assert_close(lp_shared[i, : len(c)], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_ranks_agreement_decides_the_shared_prompt_forward(model, monkeypatch):
+    """Under FSDP every rank must make the same decoder calls: with ``agree`` the two-pass forward runs
+    when all ranks say yes, even on a micro-batch whose prompts are all distinct, and gives the same
+    log-probs; when a rank says no, none takes it."""
+    from grpo_pipeline import policy
+
+    g = torch.Generator().manual_seed(2)
+    rows = [(torch.randint(3, 500, (n,), generator=g).tolist(), torch.randint(3, 500, (m,), generator=g).tolist())
+            for n, m in ((4, 3), (7, 5), (5, 1))]                                   # no prompt shared
+    b = collate([p for p, _ in rows], [c for _, c in rows], pad_id=0)
+    calls = []
+    real = policy._shared_prompt_hidden
+    monkeypatch.setattr(policy, "_shared_prompt_hidden",
+                        lambda d, bt, **kw: calls.append(kw) or real(d, bt, **kw))
+    asked = []
+    with torch.no_grad():
+        full, _ = policy.model_logprobs(model, b, share_prompts=False)
+        lp, _ = policy.model_logprobs(model, b, agree=lambda ok: asked.append(ok) or ok)
+        assert asked == [True] and calls == [{"force": True}]
+        torch.testing.assert_close(lp, full, atol=1e-5, rtol=1e-5)
+        lp_no, _ = policy.model_logprobs(model, b, agree=lambda ok: False)     # another rank cannot
+        assert len(calls) == 1
+        torch.testing.assert_close(lp_no, full, atol=1e-6, rtol=1e-6)
+        assert real(model.get_decoder(), b) is None                             # alone: nothing to share
+
+
 def test_update_moves_weights_and_zero_advantage_does_not(model, tiny_model):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cfg = UpdateConfig(lr=1e-3, beta=0.0, minibatch_size=4, micro_batch_size=2)
