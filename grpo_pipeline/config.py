@@ -98,7 +98,7 @@ class SFTConfig(Section):
     epochs: float = Field(1.0, gt=0, le=100)
     lr: float = Field(1e-4, gt=0, le=1)
     batch_size: int = Field(8, ge=1)
-    max_examples: int | None = Field(64, ge=1, description="Demonstrations used (None: all train problems).")
+    max_examples: int | None = Field(256, ge=1, description="Demonstrations used (None: all train problems).")
     max_length: int = Field(256, ge=16, description="Token cap per demonstration (prompt + completion).")
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
