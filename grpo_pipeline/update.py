@@ -46,6 +46,7 @@ import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -111,6 +112,32 @@ def clock(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+class PhaseTimer:
+    """Seconds spent in named phases (forward, backward) of one optimizer step, without a device sync per
+    micro-batch: on a GPU each mark is a CUDA event, read once after the step's single synchronisation
+    (``seconds`` must follow a ``clock``); elsewhere ``time.perf_counter()``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {}
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, phase: str, start: Any, end: Any) -> None:
+        self.spans.setdefault(phase, []).append((start, end))
+
+    def seconds(self, phase: str) -> float:
+        spans = self.spans.get(phase, [])
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in spans) / 1000.0
+        return sum(b - a for a, b in spans)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -306,18 +333,19 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
     bar = tqdm(total=len(steps), desc="update", leave=False, disable=not ctx.is_main)
     for k, (epoch, mini) in enumerate(steps):
         t0 = clock(device)
-        fwd_s = bwd_s = 0.0
+        timer = PhaseTimer(device)
         n_tok = sum(len(rollouts[i].completion_ids) for i in mini)             # same on every rank
         norm = {"global_num_seqs": len(mini) / ctx.world_size, "global_num_tokens": n_tok / ctx.world_size}
         plan = micro_batches(batch_order(rollouts, mini), ctx, cfg.micro_batch_size)
         sums, maxes = torch.zeros(len(_SUMS), dtype=torch.float64, device=device), None
-        bad_keys: list[str] = []
+        finite: list[torch.Tensor] = []      # per micro-batch, read after the loop (one sync per step)
+        keys: list[list[str]] = []
         for j, (idx, active) in enumerate(plan):
             rows, b = _batch(rollouts, idx, active, pad_id=pad_id, device=device)
             C = b.completion_ids.shape[1]
             sel = torch.tensor(idx, device=device)
             with no_sync(module, ctx, sync=j == len(plan) - 1):
-                t_f = clock(device)
+                t_f = timer.mark()
                 with autocast(cfg, device):
                     logp, ent = completion_logprobs(module, b, with_entropy=True)   # (b, C) each
                 old = logp.detach() if k == 0 else logp_old[sel, :C]
@@ -331,16 +359,19 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
                                     rollout_correction=cfg.rollout_correction,
                                     rollout_correction_level=cfg.rollout_correction_level,
                                     rollout_correction_cap=cfg.rollout_correction_cap, **norm)
-                t_b = clock(device)
+                t_b = timer.mark()
                 loss.backward()                                  # a non-finite loss is reported below
-                fwd_s, bwd_s = fwd_s + t_b - t_f, bwd_s + clock(device) - t_b
+                timer.add("forward", t_f, t_b)
+                timer.add("backward", t_b, timer.mark())
             s, mx = _micro_stats(loss, m, ent, b.completion_mask)
             sums += s
             maxes = mx if maxes is None else torch.maximum(maxes, mx)
-            if not bad_keys and not torch.isfinite(loss):
-                bad_keys = [r.key for r in rows[:4]]
+            finite.append(torch.isfinite(loss.detach()))
+            keys.append([r.key for r in rows[:4]])
         stats = _step_stats(sums, maxes, ctx, has_kl=cfg.beta > 0 or logp_ref is not None, has_sampler=has_sampler)
         if stats.pop("non_finite"):
+            bad = [i for i, ok in enumerate(torch.stack(finite).tolist()) if not ok] if finite else []
+            bad_keys = keys[bad[0]] if bad else []
             where = f"rows {', '.join(bad_keys)}, ..." if bad_keys else "on another rank"
             raise NonFiniteError(f"non-finite loss {stats['loss']} at step {start_step + k} ({where}); nothing written")
         t_o = clock(device)
@@ -357,7 +388,8 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         peak = float(ctx.reduce(torch.tensor([peak_memory_mb(device)], dtype=torch.float64), "max"))
         stats.update(step=start_step + k, epoch=epoch, grad_norm=float(gnorm), lr=lr, tokens=n_tok,
                      time_s=dt, tokens_per_s=n_tok / dt, peak_memory_mb=peak,
-                     forward_s=fwd_s, backward_s=bwd_s, optimizer_s=t_end - t_o)
+                     forward_s=timer.seconds("forward"), backward_s=timer.seconds("backward"),
+                     optimizer_s=t_end - t_o)
         history.append(stats)
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.4f}", kl=f"{stats.get('kl', 0):.4f}")

@@ -1,5 +1,7 @@
 """Batched, padded log-probs equal per-sequence unpadded ones; the update and SFT loops move the weights."""
 
+import re
+
 import polars as pl
 import pytest
 import torch
@@ -151,6 +153,18 @@ def test_non_finite_advantage_stops_the_update(model):
         train(model, rand_rollouts(4, adv=float("nan")), UpdateConfig(beta=0.0, minibatch_size=4, micro_batch_size=4), pad_id=0)
 
 
+def test_non_finite_loss_names_the_rows_of_its_micro_batch(model):
+    """Finiteness is read once per step (no sync per micro-batch), yet the error names the micro-batch at fault."""
+    rows = rand_rollouts(8)
+    bad = max(range(8), key=lambda i: (rows[i].prompt_ids, len(rows[i].completion_ids), i))  # last micro-batch
+    rows[bad] = Rollout(rows[bad].prompt_ids, rows[bad].completion_ids, float("nan"), rows[bad].key)
+    cfg = UpdateConfig(beta=0.0, minibatch_size=8, micro_batch_size=2)
+    with pytest.raises(NonFiniteError, match=rf"non-finite loss .*rows [^;]*\b{rows[bad].key}\b") as err:
+        train(model, rows, cfg, pad_id=0)
+    named = re.findall(r"p\d+/0", str(err.value))
+    assert 1 <= len(named) <= 2, str(err.value)      # only its own micro-batch (2 rows), not the first one met
+
+
 def test_sft_masks_prompt_and_lowers_loss(model, tiny_model, tiny_problems):
     tok = load_tokenizer(tiny_model)
     demos = build_demonstrations(tiny_problems.head(8), tok, max_length=256)
@@ -228,3 +242,12 @@ def test_token_logprobs_never_log_softmaxes_more_than_a_chunk(monkeypatch, chunk
 def test_token_logprobs_rejects_bad_input(logits, labels, match):
     with pytest.raises(ValueError, match=match):
         token_logprobs(logits, labels)
+
+
+def test_step_phases_are_timed_within_the_step(model):
+    """forward_s and backward_s (CPU: perf_counter spans; GPU: CUDA events read once per step) are positive
+    and, with the optimizer's share, fit inside the step's wall time."""
+    hist, _ = train(model, rand_rollouts(8), UpdateConfig(beta=0.0, minibatch_size=4, micro_batch_size=2), pad_id=0)
+    for h in hist:
+        assert h["forward_s"] > 0 and h["backward_s"] > 0
+        assert h["forward_s"] + h["backward_s"] + h["optimizer_s"] <= h["time_s"]
