@@ -149,15 +149,18 @@ def test_variant_options_are_in_params_yaml_with_the_config_default():
     from grpo_pipeline.config import UpdateConfig
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())["update"]
+    defaults = UpdateConfig().model_dump()
     for key in VARIANT_KEYS:
         assert key in raw, f"params.yaml lacks update.{key}"
-        assert raw[key] == UpdateConfig.model_fields[key].default, key
+        assert raw[key] == defaults[key], key
+    assert defaults["lora"]["rank"] == 16 and UpdateConfig(lora=None).lora is None  # LoRA by default, null: full FT
 
 
 @pytest.mark.parametrize(("update", "match"), [
     ({"lora": {"rank": 0}}, "update.lora.rank"),
     ({"lora": {"rank": 4, "target_module": ["q_proj"]}}, "unknown key 'update.lora.target_module'"),
     ({"lora": {"rank": 4}, "distributed": {"strategy": "fsdp"}}, "not supported with update.distributed.strategy fsdp"),
+    ({"distributed": {"strategy": "fsdp"}}, "set update.lora: null"),   # LoRA is on by default
     ({"rollout_correction": "is"}, r"update.rollout_correction: unknown name\(s\) \[.is.\]"),
     ({"rollout_correction_cap": 1.0}, "update.rollout_correction_cap"),
 ])

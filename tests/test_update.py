@@ -211,7 +211,7 @@ def test_config_and_launcher_errors():
     with pytest.raises(ValueError, match="total_steps"):
         UpdateConfig(lr_schedule="cosine")
     with pytest.raises(ValueError, match="rdzv_endpoint"):
-        UpdateConfig(distributed={"strategy": "fsdp", "nnodes": 2})
+        UpdateConfig(lora=None, distributed={"strategy": "fsdp", "nnodes": 2})
     d = UpdateConfig(distributed={"strategy": "ddp", "nproc_per_node": 4, "nnodes": 2,
                                   "rdzv_endpoint": "h:29500"}).distributed
     cmd = torchrun_command(d, "stages/update.py", ["--out", "x"])
@@ -220,7 +220,7 @@ def test_config_and_launcher_errors():
 
 
 # --------------------------------------------------------------------------- the stage
-UPD = {"lr": 1e-3, "beta": 0.1, "mu": 2, "minibatch_size": 6, "micro_batch_size": 2}
+UPD = {"lr": 1e-3, "beta": 0.1, "mu": 2, "minibatch_size": 6, "micro_batch_size": 2, "lora": None}  # full FT
 
 
 def stage_run(cfg: UpdateConfig, ckpts, data, out: Path, *, policy=None):

@@ -14,7 +14,7 @@ from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.update import Rollout, rollout_logprobs
 from tests.test_update import ckpts, one_thread, rand_rollouts, stage_run, weights, write_stage_inputs  # noqa: F401
 
-BASE = {"lr": 1e-3, "beta": 0.04, "mu": 1, "minibatch_size": 4, "micro_batch_size": 2}
+BASE = {"lr": 1e-3, "beta": 0.04, "mu": 1, "minibatch_size": 4, "micro_batch_size": 2, "lora": None}  # full FT
 NOISE = 0.3  # |logp_sampler - logp_trainer| injected per token
 OPTIONS = {
     "default": {},
