@@ -31,7 +31,8 @@ PARAMS = {
                  "max_model_len": 512},
     "reward": {"weights": {"accuracy": 1.0, "format": 1.0}, "format_partial_credit": True},
     "advantage": {"filter_groups": False},  # counts below assume every row trains (filter: test_dynamic.py)
-    "update": {"lr": 1.0e-3, "minibatch_size": 8, "micro_batch_size": 4},
+    "update": {"lr": 1.0e-3, "minibatch_size": 8, "micro_batch_size": 4,
+               "lora": None},  # full fine-tuning here; LoRA (the default): the -S test below and test_e2e_coding
     "evaluate": {"max_new_tokens": 16},
 }
 
