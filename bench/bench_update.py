@@ -26,6 +26,7 @@ runs in a fresh subprocess so that peak memory is its own:
     python bench/bench_update.py                              # SmolLM2-135M, imported to /tmp once (~30 s)
     python bench/bench_update.py --prompts 2 --steps 1 --warmup 0   # quick look on a CPU
     python bench/bench_update.py --lora 16    # ours with full fine-tuning beside ours with LoRA (update.lora)
+    python bench/bench_update.py --selective  # ours with selective checkpointing (no matmul recomputed), TRL full
     python bench/bench_update.py --skip-baseline --dtype bfloat16 --micro 4 --no-gradient-checkpointing  # W1's update
 """
 
@@ -97,7 +98,8 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
     rows = [Rollout(r["prompt"], r["completion"], r["advantage"], r["key"]) for r in data["rows"]]
     lora = {"rank": args.lora, "alpha": 2.0 * args.lora} if args.side == "lora" else None
     cfg = UpdateConfig(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=len(rows), micro_batch_size=args.micro,
-                       dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing,
+                       dtype=args.dtype, gradient_checkpointing=("selective" if args.selective and args.gradient_checkpointing
+                                                                 else args.gradient_checkpointing),
                        logprob_chunk_size=args.chunk, lora=lora)
     t0 = time.perf_counter()
     model = load_model(args.model, device=device)
@@ -253,6 +255,8 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on CUDA (TRL's default), float32 on CPU")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--selective", action="store_true",
+                   help="ours with update.gradient_checkpointing: selective (TRL keeps full checkpointing)")
     p.add_argument("--chunk", type=int, default=1024, help="our LM-head chunk (tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", type=int, default=0, metavar="RANK",

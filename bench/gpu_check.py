@@ -39,7 +39,7 @@ STAGES = ("prepare", "base", "sft", "sample@it0", "score@it0", "advantage@it0", 
 W1 = ["sampling.prompts_per_iteration=8", "sampling.group_size=8", "sampling.max_new_tokens=128",
       "sampling.spare_prompts=0", "sampling.dtype=bfloat16", "update.dtype=bfloat16", "update.lr=1.0e-6",
       "update.beta=0.04", "update.epsilon=0.2", "update.mu=1", "update.minibatch_size=64",
-      "update.micro_batch_size=16", "sampling.hf_batch_size=64"]
+      "update.micro_batch_size=16", "sampling.hf_batch_size=64", "update.lora=null"]   # W1: full fine-tuning, as TRL
 # ~0.5B, SmolLM2's family (Llama): 32 layers x 14.1M + 56.6M tied embedding = 0.51B parameters
 RANDOM_05B = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 18,
               "num_key_value_heads": 6, "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 2048,

@@ -67,7 +67,8 @@ def setup(work: Path, precision: str) -> Path:
     # W1 trains on all 64 completions, as TRL's step does: with dynamic sampling on (the default), the
     # one-step SFT's mostly all-wrong groups were dropped and the update took no step at all
     params["advantage"].update(filter_groups=False)
-    params["update"].update(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=64, dtype=dt)
+    params["update"].update(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=64, dtype=dt,
+                            lora=None)    # W1 is full fine-tuning, as TRL's step (the default recipe uses LoRA)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     sys.path.insert(0, str(ROOT))
     from grpo_pipeline.iterations import rewrite

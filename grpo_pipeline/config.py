@@ -320,7 +320,11 @@ class UpdateConfig(Section):
         False, description="DAPO's overlong filtering: truncated completions (finish_reason 'length') are left "
         "out of the loss; they still count in their group's advantage statistics.",
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["selective"] = Field(
+        False, description="Recompute activations in backward: true, each block's forward (least memory); "
+        "'selective', only its element-wise ops, the matmul and attention outputs are kept (no matmul twice); "
+        "false, none (most memory, fastest).",
+    )
     logprob_chunk_size: int = Field(1024, ge=1, description="Tokens per LM-head chunk (memory vs. speed).")
     distributed: Distributed = Distributed()
     seed: int = 0

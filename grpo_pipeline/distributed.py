@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_pipeline.config import UpdateConfig
-from grpo_pipeline.policy import PolicyModule
+from grpo_pipeline.policy import PolicyModule, enable_checkpointing
 
 LAUNCHED_ENV = "TORCHELASTIC_RUN_ID"   # set by torchrun in every worker
 
@@ -133,8 +133,8 @@ def load_device(ctx: DistContext) -> torch.device:
 
 def wrap(lm: torch.nn.Module, ctx: DistContext, cfg: UpdateConfig, *, train: bool = True) -> torch.nn.Module:
     """``lm`` as a :class:`PolicyModule`, wrapped for ``ctx.strategy`` (``train=False``: a frozen reference)."""
-    if train and cfg.gradient_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if train:
+        enable_checkpointing(lm, cfg.gradient_checkpointing)
     # FSDP2 all-gathers a layer's weights on each call: every rank must call the decoder as often as the
     # others, so the ranks agree (one all-reduce per micro-batch) on whether all take the shared-prompt
     # forward (two decoder calls) or none does.

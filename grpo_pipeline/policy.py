@@ -150,6 +150,37 @@ def _replay_safe_layers() -> tuple[type, type]:
     return PromptLayer, PrefixLayer
 
 
+# Selective activation checkpointing: a replay in backward recomputes the cheap element-wise ops (norms,
+# rotary, SiLU, products, casts) but takes matrix products and attention from what the forward saved, so
+# backward does no matmul twice; the saved products are most, not all, of a block's activations.
+_SAVED_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention")
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if getattr(op, "_opname", "") in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def enable_checkpointing(lm: torch.nn.Module, mode: bool | str) -> None:
+    """Gradient checkpointing of ``lm``'s blocks: ``True`` recomputes each block's forward in backward
+    (least memory), ``"selective"`` recomputes only its element-wise ops (no matmul twice), ``False`` none."""
+    if not mode:
+        return
+    kwargs: dict = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _checkpointed_layers(decoder: torch.nn.Module) -> list[torch.nn.Module] | None:
     """The decoder's blocks that checkpoint activations now; ``None`` where they are not HF
     ``GradientCheckpointingLayer`` s (their cache handling under checkpointing is unknown)."""

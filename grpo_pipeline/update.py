@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.distributed import DistContext, grad_norm, no_sync
 from grpo_pipeline.losses import grpo_loss
-from grpo_pipeline.policy import PolicyModule, collate, completion_logprobs, is_policy_module
+from grpo_pipeline.policy import PolicyModule, collate, completion_logprobs, enable_checkpointing, is_policy_module
 
 
 class NonFiniteError(RuntimeError):
@@ -301,8 +301,8 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
     module = model if is_policy_module(model) else PolicyModule(model, chunk_size=cfg.logprob_chunk_size)
     device = device or next(module.parameters()).device
     ctx = ctx or DistContext(device=device)
-    if cfg.gradient_checkpointing and not is_policy_module(model):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not is_policy_module(model):
+        enable_checkpointing(model, cfg.gradient_checkpointing)
     module.train()
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = optimizer or make_optimizer(params, cfg)

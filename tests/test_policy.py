@@ -49,7 +49,8 @@ def test_padded_batch_logprobs_equal_unpadded(model):
             torch.testing.assert_close(lp[i, : len(r.completion_ids)], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+@pytest.mark.parametrize("checkpointing", [False, True, "selective"],
+                         ids=["plain", "gradient-checkpointing", "selective-checkpointing"])
 def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, monkeypatch, checkpointing):
     """Rows of a group share their prompt: it runs once, its KV cache feeds the G completions.
 
@@ -78,7 +79,7 @@ def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, 
     monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt: calls.append(out := real(d, bt)) or out)
     model.train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.enable_checkpointing(model, checkpointing)
         runs, mlp = [], model.get_decoder().layers[0].mlp
         monkeypatch.setattr(mlp, "forward", lambda x, f=mlp.forward: runs.append(x.shape) or f(x))
     lp_shared, g_shared = value_and_grads()
@@ -251,3 +252,29 @@ def test_step_phases_are_timed_within_the_step(model):
     for h in hist:
         assert h["forward_s"] > 0 and h["backward_s"] > 0
         assert h["forward_s"] + h["backward_s"] + h["optimizer_s"] <= h["time_s"]
+
+
+def test_selective_checkpointing_recomputes_no_matmul(tiny_model):
+    """Full checkpointing replays each block's matmuls in backward; selective replays only element-wise ops:
+    its matmul FLOPs over forward + backward equal those without checkpointing, its gradients too."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from grpo_pipeline import policy
+
+    g = torch.Generator().manual_seed(3)
+    rows = [(torch.randint(3, 500, (6,), generator=g).tolist(), torch.randint(3, 500, (5,), generator=g).tolist())
+            for _ in range(4)]
+    b = collate([p for p, _ in rows], [c for _, c in rows], pad_id=0)
+    flops, grads = {}, {}
+    for mode in (False, True, "selective"):
+        m = load_model(tiny_model).train()
+        policy.enable_checkpointing(m, mode)
+        with FlopCounterMode(display=False) as counter:
+            lp, _ = completion_logprobs(m, b)
+            lp.sum().backward()
+        flops[mode] = counter.get_total_flops()
+        grads[mode] = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+    assert flops[True] > flops[False] * 1.1            # full checkpointing: the blocks' forward matmuls again
+    assert flops["selective"] == flops[False]
+    torch.testing.assert_close(grads["selective"], grads[False], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)

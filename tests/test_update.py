@@ -169,8 +169,9 @@ def test_chunked_head_equals_full_logits_values_and_gradients(tiny_model, monkey
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)   # float32 sums in another order
 
 
-@pytest.mark.parametrize("kw", [{"gradient_checkpointing": True}, {"dtype": "bfloat16"},
-                                {"dtype": "bfloat16", "gradient_checkpointing": True}])
+@pytest.mark.parametrize("kw", [{"gradient_checkpointing": True}, {"gradient_checkpointing": "selective"},
+                                {"dtype": "bfloat16"}, {"dtype": "bfloat16", "gradient_checkpointing": True},
+                                {"dtype": "bfloat16", "gradient_checkpointing": "selective"}])
 def test_bf16_and_gradient_checkpointing_train(tiny_model, kw):
     rows = rand_rollouts(8, seed=6)
     cfg = UpdateConfig(lr=1e-3, beta=0.0, mu=2, minibatch_size=4, micro_batch_size=2)
@@ -229,7 +230,8 @@ def stage_run(cfg: UpdateConfig, ckpts, data, out: Path, *, policy=None):
                      steps_path=str(out) + ".steps.json")
 
 
-@pytest.mark.parametrize(("strategy", "checkpointing"), [("fsdp", False), ("ddp", False), ("fsdp", True)])
+@pytest.mark.parametrize(("strategy", "checkpointing"),
+                         [("fsdp", False), ("ddp", False), ("fsdp", True), ("fsdp", "selective")])
 def test_two_gloo_processes_match_one_process(tmp_path, ckpts, strategy, checkpointing):
     """Groups share prompts: under FSDP the ranks agree per micro-batch on the shared-prompt forward
     (else their layer all-gathers would not pair up), with gradient checkpointing too."""
