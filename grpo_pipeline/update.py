@@ -71,7 +71,10 @@ class Rollout:
 
 
 def autocast(cfg: UpdateConfig, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16")
+    # Selective checkpointing replays a block's ops and expects the same ones: autocast's weight-cast cache
+    # would cast a weight once for the prompt pass and the completion pass together but again in each replay.
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16",
+                          cache_enabled=cfg.gradient_checkpointing != "selective")
 
 
 def _advantages(rows: Sequence[Rollout], C: int) -> torch.Tensor:

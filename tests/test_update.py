@@ -173,7 +173,7 @@ def test_chunked_head_equals_full_logits_values_and_gradients(tiny_model, monkey
                                 {"dtype": "bfloat16"}, {"dtype": "bfloat16", "gradient_checkpointing": True},
                                 {"dtype": "bfloat16", "gradient_checkpointing": "selective"}])
 def test_bf16_and_gradient_checkpointing_train(tiny_model, kw):
-    rows = rand_rollouts(8, seed=6)
+    rows = rand_rollouts(8, seed=6, groups=True)   # groups share prompts: the two-pass forward, replayed
     cfg = UpdateConfig(lr=1e-3, beta=0.0, mu=2, minibatch_size=4, micro_batch_size=2)
     base = load_model(tiny_model)
     ref_hist, _ = train(base, rows, cfg, pad_id=0)
