@@ -28,7 +28,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from grpo_pipeline import data, schemas  # noqa: E402
+from grpo_pipeline import data, schemas
 
 NAMES = {"en": ["Priya", "Carlos", "Emma", "Hassan", "Yuki", "Noah", "Fatima", "Leo"],
          "zh": ["小芳", "周杰", "孙悦", "吴凡", "郑爽", "何晨", "林可", "高远"]}
@@ -45,7 +45,7 @@ def _num(x) -> str:
 def render(kind: str, lang: str, v: dict, w: dict, rng: random.Random) -> str:
     """A question with the numbers of ``data._draw`` in sentences of this file's own."""
     name, (one, other), en = w["name"], w["item"], lang == "en"
-    money = (lambda x: data._money_text(Fraction(x), w["currency"]))  # noqa: E731
+    money = (lambda x: data._money_text(Fraction(x), w["currency"]))
     pick = rng.randrange(2)
     if kind == "unit_price":
         total, n = money(v["total"]), v["count"]
