@@ -38,7 +38,7 @@ MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
 
 def measure(cmd: list[str], cwd: Path, env: dict | None = None) -> tuple[float, float, str]:
     """(wall seconds, peak RSS MiB of the largest descendant, output tail) of ``cmd``."""
-    r = subprocess.run([sys.executable, "-c", MEASURE, *cmd], cwd=cwd, capture_output=True, text=True, env=env)
+    r = subprocess.run([sys.executable, "-c", MEASURE, *cmd], cwd=cwd, capture_output=True, text=True, env=env, check=False)
     out, last = r.stdout.rsplit("@@", 1)
     rc, wall, rss = last.split()
     if int(rc) != 0:

@@ -188,7 +188,7 @@ def serve_calls(rfd: int, wfd: int, classify, describe) -> None:
         if req is None:
             return
         out: dict = {}
-        fail = _attempt(lambda: out.update(v=encode(_call(ns, entry, req))), classify)
+        fail = _attempt(lambda out=out, req=req: out.update(v=encode(_call(ns, entry, req))), classify)
         answer(out if fail is None else {"x": fail})
 
 

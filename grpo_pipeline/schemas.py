@@ -220,13 +220,13 @@ def iter_batches(path: str | Path, kind: str, *, batch_rows: int = 65536,
 def column_names(path: str | Path, kind: str) -> list[str]:
     """The columns of a ``kind`` artifact (its first file), from the footer alone."""
     path = Path(path)
-    f = sorted(path.glob("*.parquet"))[0] if path.is_dir() else path
+    f = min(path.glob("*.parquet")) if path.is_dir() else path
     return list(_open(f, kind).schema_arrow.names)
 
 
 def read_metadata(path: str | Path, kind: str) -> dict[str, Any]:
     """The ``metadata`` dict a writer attached (sampling params, versions, ...)."""
     path = Path(path)
-    f = sorted(path.glob("*.parquet"))[0] if path.is_dir() else path
+    f = min(path.glob("*.parquet")) if path.is_dir() else path
     raw = (_open(f, kind).schema_arrow.metadata or {}).get(META_KEY)
     return json.loads(raw) if raw else {}

@@ -51,7 +51,7 @@ def _with_packages(root: Path, dotted: str) -> list[Path]:
 
 def _package_of(root: Path, file: Path) -> list[str]:
     rel = file.relative_to(root).with_suffix("").parts
-    return list(rel[:-1]) if rel[-1] != "__init__" else list(rel[:-1])
+    return list(rel[:-1])   # a module's package, or an __init__'s own
 
 
 def _imports(root: Path, file: Path) -> set[Path]:
@@ -86,9 +86,9 @@ def _imports(root: Path, file: Path) -> set[Path]:
                 sub = _module_file(root, f"{dotted}.{alias.name}")
                 if sub is not None and dotted.split(".")[0] == CODE_ROOTS[0]:
                     found.add(sub)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"\w+\.py", node.value):
-            if (here / node.value).is_file():
-                found.add(here / node.value)
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and re.fullmatch(r"\w+\.py", node.value) and (here / node.value).is_file()):
+            found.add(here / node.value)
     return found
 
 

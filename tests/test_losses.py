@@ -142,7 +142,7 @@ def test_mu_one_is_policy_gradient_plus_kl_gradient(est, agg, per_token):
     logp, _, adv, mask, logp_ref = make_batch(5, per_token=per_token, garbage=0.0)
     beta = 0.1
     kw = {"logp_ref": logp_ref, "beta": beta, "kl_estimator": est, "aggregation": agg, "max_tokens": MAX_TOKENS}
-    loss, grad = loss_and_grad(lambda lp: grpo_loss(lp, lp.detach(), adv, mask, **kw), logp)
+    _loss, grad = loss_and_grad(lambda lp: grpo_loss(lp, lp.detach(), adv, mask, **kw), logp)
     _, m = grpo_loss(logp, logp, adv, mask, logp_ref=logp_ref, beta=beta, kl_estimator=est)
     assert m["ratio_min"] == 1 and m["ratio_max"] == 1 and m["clip_frac_low"] == 0 and m["clip_frac_high"] == 0
     B = mask.shape[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,7 +29,7 @@ def test_groups_stay_together_sorted_by_length_and_pad_no_more(lengths, rnd):
     assert sorted(order) == list(range(len(rows)))
     groups = [rows[i].prompt_ids[0] for i in order]
     assert groups == sorted(groups)                                   # each group contiguous
-    for a, b in zip(order, order[1:]):
+    for a, b in itertools.pairwise(order):
         if rows[a].prompt_ids == rows[b].prompt_ids:
             assert len(rows[a].completion_ids) <= len(rows[b].completion_ids)
     by_group = sorted(given_order, key=lambda i: (rows[i].prompt_ids, i))   # the previous order

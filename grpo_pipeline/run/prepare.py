@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import polars as pl
-
 from grpo_pipeline import schemas
 from grpo_pipeline.coding import add_task_columns, generate_tasks, load_tasks
 from grpo_pipeline.config import DataConfig

@@ -20,10 +20,10 @@ from grpo_pipeline import distributed, lora, schemas, train_state
 from grpo_pipeline.advantages import token_advantages_from_steps
 from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint_metadata, save_checkpoint
 from grpo_pipeline.config import UpdateConfig
+from grpo_pipeline.flops import param_counts, update_flops, useful_tokens
 from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.io import write_json
 from grpo_pipeline.run import deterministic, summary
-from grpo_pipeline.flops import param_counts, update_flops, useful_tokens
 from grpo_pipeline.update import Rollout, clock, make_optimizer, rollout_logprobs, train
 
 ROLLOUT_COLUMNS = ["iteration", "prompt_id", "sample_idx", "prompt_token_ids", "completion_token_ids",
