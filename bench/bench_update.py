@@ -88,6 +88,7 @@ def make_data(args, vocab: int, pad_id: int) -> dict:
 
 # --------------------------------------------------------------------------- our update
 def side_ours(args, data: dict, device: torch.device) -> dict:
+    from grpo_pipeline.buckets import passes_for
     from grpo_pipeline.checkpoint import load_model
     from grpo_pipeline.config import UpdateConfig
     from grpo_pipeline.policy import PolicyModule
@@ -100,7 +101,7 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
     cfg = UpdateConfig(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=len(rows), micro_batch_size=args.micro,
                        dtype=args.dtype, gradient_checkpointing=("selective" if args.selective and args.gradient_checkpointing
                                                                  else args.gradient_checkpointing),
-                       logprob_chunk_size=args.chunk, lora=lora)
+                       logprob_chunk_size=args.chunk, lora=lora, length_buckets=args.length_buckets)
     t0 = time.perf_counter()
     model = load_model(args.model, device=device)
     if cfg.lora is not None:
@@ -109,7 +110,7 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
         model = attach(model, cfg.lora)
     t1 = time.perf_counter()
     ref = PolicyModule(load_model(args.model, dtype=args.dtype, device=device).eval().requires_grad_(False),
-                       chunk_size=args.chunk)
+                       chunk_size=args.chunk, length_buckets=passes_for(cfg.length_buckets, device.type))
     loads = {"load_policy_s": t1 - t0, "load_reference_s": time.perf_counter() - t1}
     from grpo_pipeline.flops import matmul_peak
 
@@ -133,7 +134,7 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
 
     n, head = param_counts(model)
     return {"times": times, "cpu_times": cpu, "loss": hist[-1]["loss"], "kl": hist[-1].get("kl"), "baseline_mb": base,
-            "phases": phases, "loads": loads, "params": [n, head],
+            "phases": phases, "loads": loads, "params": [n, head], "length_buckets": passes_for(cfg.length_buckets, device.type),
             "matmul_peak": max(peak, matmul_peak(getattr(torch, args.dtype), device))}
 
 
@@ -223,7 +224,7 @@ def print_breakdown(args, data: dict, ours: dict) -> None:
     flops = update_flops(n, head, decoder_tokens=dec, head_tokens=comp, train_passes=1, nograd_passes=1)
     peak = ours["matmul_peak"]
     loads = "  ".join(f"{k[:-2]} {v:.1f} s" for k, v in ours["loads"].items())
-    print(f" ours breakdown per step: " + "  ".join(f"{k[:-2]} {v:.2f} s" for k, v in mean.items())
+    print(" ours breakdown per step: " + "  ".join(f"{k[:-2]} {v:.2f} s" for k, v in mean.items())
           + f"  other {other:.2f} s  = {step_s:.2f} s   (once: {loads})")
     print(f" ours FLOPs: N = {n / 1e6:.1f}M decoder parameters (no embedding / head) + head {head / 1e6:.1f}M, "
           f"{dec} decoder tokens (distinct prompts once), {comp} completion tokens: "
@@ -231,6 +232,7 @@ def print_breakdown(args, data: dict, ours: dict) -> None:
     print(f" ours MFU: {flops / step_s / 1e9:.1f} GFLOP/s of a measured {args.dtype} matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s = {mfu(flops, step_s, peak):.1%}"
           f"  (forward+backward+optimizer only: {mfu(flops * 3 / 4, step_s - mean['reference_s'], peak):.1%})")
+    print(f" ours length buckets: up to {ours['length_buckets']} completion passes per micro-batch (update.length_buckets)")
 
 
 
@@ -258,6 +260,8 @@ def main() -> None:
     p.add_argument("--selective", action="store_true",
                    help="ours with update.gradient_checkpointing: selective (TRL keeps full checkpointing)")
     p.add_argument("--chunk", type=int, default=1024, help="our LM-head chunk (tokens)")
+    p.add_argument("--length-buckets", type=int, default=None,
+                   help="update.length_buckets: completion passes per micro-batch (default: the stage's, 4 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="compare ours with LoRA of this rank (alpha 2 x rank, default targets) instead of TRL")

@@ -26,7 +26,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def Registered(default: Any, registry: str, description: str = "") -> Any:  # noqa: N802 (a Field, like pydantic's)
+def Registered(default: Any, registry: str, description: str = "") -> Any:
     """A field whose value (a name, a list of names, or a dict keyed by names) must be registered in
     ``registry`` ("module:ATTR", a dict or tuple of names), checked by :func:`check_names` when a stage
     reads the section: a newly registered estimator, loss or reward is accepted with no edit here."""
@@ -326,6 +326,11 @@ class UpdateConfig(Section):
         "false, none (most memory, fastest).",
     )
     logprob_chunk_size: int = Field(1024, ge=1, description="Tokens per LM-head chunk (memory vs. speed).")
+    length_buckets: int | None = Field(
+        None, ge=1, description="Completion passes per micro-batch: rows of similar length run together on the "
+        "prompts' shared keys/values, each pass padded to its own longest row (the same values and gradients, "
+        "less padding). null: 4 on CPU, 1 on GPU; multi-process FSDP always runs 1.",
+    )
     distributed: Distributed = Distributed()
     seed: int = 0
 
@@ -363,6 +368,8 @@ class EvaluateConfig(Section):
     pass_k: int | None = Field(None, ge=1, description="Also report pass@k from `pass_samples` sampled completions.")
     pass_samples: int = Field(8, ge=1, description="n completions per prompt for the unbiased pass@k estimate.")
     pass_temperature: float = Field(1.0, gt=0, le=5)
+    seed: int = Field(0, ge=0, description="Seed of the pass@k samples (greedy decoding reads none); its own key, "
+                      "so a new training seed (sampling.seed) does not re-evaluate the base and SFT checkpoints.")
 
     @model_validator(mode="after")
     def _k_le_n(self) -> EvaluateConfig:

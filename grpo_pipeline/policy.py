@@ -32,6 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_pipeline.buckets import length_buckets as length_buckets_of
+
+# A completion pass's fixed cost in padded-token cells (kernel launches, autocast's weight casts, smaller
+# matrix products), against which splitting a micro-batch by length is weighed (grpo_pipeline.buckets).
+BUCKET_OVERHEAD_CELLS = 64
+
 
 @dataclass
 class Batch:
@@ -203,7 +209,8 @@ def can_share_prompts(decoder: torch.nn.Module) -> bool:
             and _checkpointed_layers(decoder) is not None)
 
 
-def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch, *, force: bool = False) -> torch.Tensor | None:
+def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch, *, force: bool = False,
+                          length_buckets: int = 1) -> torch.Tensor | None:
     """(B, C, H) decoder states that predict the completion tokens, each distinct prompt run once.
 
     A GRPO group's G rows share one prompt.  The U distinct prompts (U, P) go through the decoder
@@ -217,9 +224,13 @@ def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch, *, force: bool
     prefix and stores nothing, so a replay computes exactly what the forward did (HF drops a
     cache under checkpointing because its ordinary cache would append a second time).
 
-    ``None`` when nothing is shared (unless ``force``: FSDP needs every rank to make the same
-    decoder calls) or the model cannot (:func:`can_share_prompts`); the caller then runs the
-    full forward.
+    ``length_buckets`` > 1: the completions run in up to that many passes on the same prompt
+    keys/values, rows of similar length together (``grpo_pipeline.buckets``), each pass padded to its
+    own longest row instead of the micro-batch's: the same values and gradients, fewer padded cells.
+
+    ``None`` when nothing is shared or split (unless ``force``: FSDP needs every rank to make the same
+    decoder calls, so it runs one pass) or the model cannot (:func:`can_share_prompts`); the caller
+    then runs the full forward.
     """
     from transformers.cache_utils import DynamicCache
 
@@ -228,12 +239,15 @@ def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch, *, force: bool
         return None
     key = torch.cat([batch.input_ids[:, :P], batch.attention_mask[:, :P]], dim=1)   # (B, 2P): pads count
     uniq, inverse = torch.unique(key, dim=0, return_inverse=True)                     # (U, 2P), (B,)
-    if uniq.shape[0] == key.shape[0] and not force:
+    lengths = batch.completion_mask.sum(1).tolist()                                   # (B,) real tokens per row
+    groups = ([list(range(len(lengths)))] if force or length_buckets <= 1
+              else length_buckets_of(lengths, length_buckets, BUCKET_OVERHEAD_CELLS))
+    if uniq.shape[0] == key.shape[0] and len(groups) == 1 and not force:
         return None
     first = torch.empty(uniq.shape[0], dtype=torch.long, device=inverse.device)      # (U,) one row per prompt
     first.scatter_(0, inverse, torch.arange(len(inverse), device=inverse.device))
     config = getattr(decoder, "config", None)
-    prompt_layer, prefix_layer = _replay_safe_layers()
+    prompt_layer, _ = _replay_safe_layers()
     prompt_cache = DynamicCache(config=config)
     prompt_cache.layers = [prompt_layer() for _ in prompt_cache.layers]
     checkpointed = _checkpointed_layers(decoder) or []
@@ -243,25 +257,48 @@ def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch, *, force: bool
         out = decoder(input_ids=batch.input_ids[first, :P], attention_mask=batch.attention_mask[first, :P],
                       position_ids=batch.position_ids[first, :P], past_key_values=prompt_cache, use_cache=True)
         last = out.last_hidden_state[inverse, -1:]                            # (B, 1, H): predicts o_1
-        cache = DynamicCache(config=config)
-        cache.layers = [prefix_layer(layer.keys[inverse], layer.values[inverse])   # (U, ...) -> (B, ...)
-                        for layer in prompt_cache.layers]
-        comp = decoder(input_ids=batch.input_ids[:, P:-1], attention_mask=batch.attention_mask[:, :-1],
-                       position_ids=batch.position_ids[:, P:-1], past_key_values=cache, use_cache=True)
+        if len(groups) == 1:
+            return torch.cat([last, _completion_pass(decoder, batch, prompt_cache, inverse, P)], dim=1)  # (B, C, H)
+        C = batch.completion_ids.shape[1]
+        parts = []
+        for rows in groups:                                                   # (b,) rows of similar length
+            r = torch.tensor(rows, device=inverse.device)
+            Cb = max(1, max(lengths[i] for i in rows))
+            h = last[r]                                                       # (b, 1, H)
+            if Cb > 1:
+                part = Batch(batch.input_ids[r, : P + Cb], batch.attention_mask[r, : P + Cb],
+                            batch.position_ids[r, : P + Cb], batch.completion_ids[r, :Cb], batch.completion_mask[r, :Cb])
+                h = torch.cat([h, _completion_pass(decoder, part, prompt_cache, inverse[r], P)], dim=1)  # (b, Cb, H)
+            parts.append(torch.nn.functional.pad(h, (0, 0, 0, C - Cb)))       # (b, C, H)
+        order = torch.tensor([i for rows in groups for i in rows], device=inverse.device)
+        return torch.cat(parts)[torch.argsort(order)]                         # (B, C, H) in the batch's row order
     finally:
         for m in checkpointed:
             m.__dict__.pop("_can_checkpoint_with_cache", None)
-    return torch.cat([last, comp.last_hidden_state], dim=1)                  # (B, C, H)
+
+
+def _completion_pass(decoder: torch.nn.Module, batch: Batch, prompt_cache, inverse: torch.Tensor,
+                     P: int) -> torch.Tensor:
+    """(B, C - 1, H): completion tokens o_1 .. o_{C-1} (predicting o_2 .. o_C) on the rows' prompt K/V."""
+    from transformers.cache_utils import DynamicCache
+
+    _, prefix_layer = _replay_safe_layers()
+    cache = DynamicCache(config=getattr(decoder, "config", None))
+    cache.layers = [prefix_layer(layer.keys[inverse], layer.values[inverse])       # (U, ...) -> (B, ...)
+                    for layer in prompt_cache.layers]
+    comp = decoder(input_ids=batch.input_ids[:, P:-1], attention_mask=batch.attention_mask[:, :-1],
+                   position_ids=batch.position_ids[:, P:-1], past_key_values=cache, use_cache=True)
+    return comp.last_hidden_state
 
 
 def _fused_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int, with_entropy: bool,
-                    share_prompts: bool = True,
-                    agree: Callable[[bool], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    share_prompts: bool = True, agree: Callable[[bool], bool] | None = None,
+                    length_buckets: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     C = batch.completion_ids.shape[1]
     decoder = model.get_decoder()
     hidden = None
     if share_prompts and agree is None:
-        hidden = _shared_prompt_hidden(decoder, batch) if C > 1 else None
+        hidden = _shared_prompt_hidden(decoder, batch, length_buckets=length_buckets) if C > 1 else None
     elif share_prompts and agree(C > 1 and batch.input_ids.shape[1] > C and can_share_prompts(decoder)):
         hidden = _shared_prompt_hidden(decoder, batch, force=True)   # all ranks: the same two decoder calls
     if hidden is None:
@@ -300,42 +337,46 @@ def _logits_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int,
 
 
 def model_logprobs(model: torch.nn.Module, batch: Batch, *, chunk_size: int = 1024, with_entropy: bool = False,
-                   share_prompts: bool = True,
-                   agree: Callable[[bool], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   share_prompts: bool = True, agree: Callable[[bool], bool] | None = None,
+                   length_buckets: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(o_t | q, o_<t) (B, C) float32 of a plain HF causal LM, 0 at padding; entropy (B, C) if asked.
 
     ``share_prompts``: rows with the same prompt run it once (see :func:`_shared_prompt_hidden`;
     plain-linear-head models only).  ``agree``: under FSDP, the AND of a flag over all ranks; the
     shared-prompt forward then runs on every rank or on none, so all make the same decoder calls.
+    ``length_buckets``: up to that many completion passes per batch, rows of similar length together
+    (less padding; one process only: FSDP ranks must make the same calls).
     """
     if chunk_size < 1:
         msg = f"chunk_size must be >= 1, got {chunk_size}"
         raise ValueError(msg)
     if _plain_linear_head(model):
         return _fused_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy,
-                               share_prompts=share_prompts, agree=agree)
+                               share_prompts=share_prompts, agree=agree, length_buckets=length_buckets)
     return _logits_logprobs(model, batch, chunk_size=chunk_size, with_entropy=with_entropy)
 
 
 class PolicyModule(torch.nn.Module):
     """An HF causal LM whose ``forward`` returns completion log-probs (and entropies), for DDP / FSDP.
 
-    The wrapped model is ``self.lm``; parameters are shared, not copied.
+    The wrapped model is ``self.lm``; parameters are shared, not copied.  ``length_buckets``: see
+    :func:`model_logprobs` (ignored under ``agree``).
     """
 
     def __init__(self, lm: torch.nn.Module, *, chunk_size: int = 1024, share_prompts: bool = True,
-                 agree: Callable[[bool], bool] | None = None) -> None:
+                 agree: Callable[[bool], bool] | None = None, length_buckets: int = 1) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
         self.share_prompts = share_prompts
         self.agree = agree
+        self.length_buckets = length_buckets
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 completion_ids: torch.Tensor, completion_mask: torch.Tensor, with_entropy: bool = False):
         b = Batch(input_ids, attention_mask, position_ids, completion_ids, completion_mask)
         return model_logprobs(self.lm, b, chunk_size=self.chunk_size, with_entropy=with_entropy,
-                              share_prompts=self.share_prompts, agree=self.agree)
+                              share_prompts=self.share_prompts, agree=self.agree, length_buckets=self.length_buckets)
 
 
 def is_policy_module(model: torch.nn.Module) -> bool:

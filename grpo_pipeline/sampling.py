@@ -37,7 +37,6 @@ import polars as pl
 from grpo_pipeline.config import SamplingConfig
 from grpo_pipeline.template import render_prompt, task_of
 
-
 _DEFAULT = SamplingConfig()  # the spec's defaults are params.yaml's (config.py), not values of its own
 
 
@@ -443,11 +442,12 @@ def spec_from(cfg: SamplingConfig, *, n: int | None = None, temperature: float |
     )
 
 
-def backend_for(cfg: SamplingConfig, policy: str) -> Backend:
+def backend_for(cfg: SamplingConfig, policy: str, *, seed: int | None = None) -> Backend:
+    """The engine ``cfg`` asks for, serving ``policy``; ``seed`` (default ``cfg.seed``): the engine's own seed."""
     return make_backend(
         cfg.backend, policy, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager, seed=cfg.seed, in_process=cfg.engine_in_process,
+        enforce_eager=cfg.enforce_eager, seed=cfg.seed if seed is None else seed, in_process=cfg.engine_in_process,
         chunked_prefill=cfg.chunked_prefill, kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=cfg.max_num_seqs,
         cpu_threads=cfg.cpu_threads, hf_batch_size=cfg.hf_batch_size,
     )

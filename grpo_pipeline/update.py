@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from grpo_pipeline.buckets import passes_for
 from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.distributed import DistContext, grad_norm, no_sync
 from grpo_pipeline.losses import grpo_loss
@@ -301,8 +302,9 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
         raise ValueError(msg)
     has_sampler = _check_sampler_logprobs(rollouts, cfg)
     eps_low, eps_high = clip_range(cfg)
-    module = model if is_policy_module(model) else PolicyModule(model, chunk_size=cfg.logprob_chunk_size)
-    device = device or next(module.parameters()).device
+    device = device or next(model.parameters()).device
+    module = model if is_policy_module(model) else PolicyModule(model, chunk_size=cfg.logprob_chunk_size,
+                                                                length_buckets=passes_for(cfg.length_buckets, device.type))
     ctx = ctx or DistContext(device=device)
     if not is_policy_module(model):
         enable_checkpointing(model, cfg.gradient_checkpointing)

@@ -6,6 +6,7 @@ import polars as pl
 import pytest
 import torch
 
+from grpo_pipeline.buckets import length_buckets
 from grpo_pipeline.checkpoint import load_model, load_tokenizer
 from grpo_pipeline.config import SFTConfig, UpdateConfig
 from grpo_pipeline.policy import collate, completion_logprobs, token_logprobs
@@ -49,14 +50,16 @@ def test_padded_batch_logprobs_equal_unpadded(model):
             torch.testing.assert_close(lp[i, : len(r.completion_ids)], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("buckets", [1, 3], ids=["one-pass", "length-buckets"])
 @pytest.mark.parametrize("checkpointing", [False, True, "selective"],
                          ids=["plain", "gradient-checkpointing", "selective-checkpointing"])
-def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, monkeypatch, checkpointing):
+def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, monkeypatch, checkpointing, buckets):
     """Rows of a group share their prompt: it runs once, its KV cache feeds the G completions.
 
     Under gradient checkpointing too: each block is replayed in backward with the same cache objects
     (HF's own cache would append the K/V a second time there); compared with the full forward
-    without checkpointing, in value and in every parameter's gradient.
+    without checkpointing, in value and in every parameter's gradient.  With length buckets the
+    completions run in several passes on the same prompt K/V, each padded to its own longest row.
     """
     from grpo_pipeline import policy
 
@@ -64,19 +67,21 @@ def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, 
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 9, 6)]
     rows = [(p, torch.randint(3, 500, (int(torch.randint(1, 8, (1,), generator=g)),), generator=g).tolist())
             for p in prompts for _ in range(4)]
+    rows += [(prompts[0], [7] * 17)]                        # one long completion: the others' padding to split off
     rows = [rows[i] for i in torch.randperm(len(rows), generator=g).tolist()]      # groups interleaved
     b = collate([p for p, _ in rows], [c for _, c in rows], pad_id=0)
     adv = torch.randn(len(rows), 1, generator=g)
 
     def value_and_grads():
         model.zero_grad()
-        lp, _ = completion_logprobs(model, b)                                          # (B, C)
+        lp, _ = policy.model_logprobs(model, b, length_buckets=buckets)                # (B, C)
         (lp * adv).sum().backward()
         return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     calls = []
     real = policy._shared_prompt_hidden
-    monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt: calls.append(out := real(d, bt)) or out)
+    monkeypatch.setattr(policy, "_shared_prompt_hidden",
+                        lambda d, bt, **kw: calls.append(out := real(d, bt, **kw)) or out)
     model.train()
     if checkpointing:
         policy.enable_checkpointing(model, checkpointing)
@@ -85,11 +90,14 @@ def test_shared_prompt_forward_equals_full_forward_in_value_and_gradient(model, 
     lp_shared, g_shared = value_and_grads()
     assert calls and calls[0] is not None and calls[0].shape[:2] == b.completion_ids.shape   # took the shared path
     if checkpointing:
-        assert len(runs) == 4 and runs[:2] == runs[2:][::-1]   # prompt, completion pass; replayed in backward
+        passes = runs[: len(runs) // 2]                       # prompt, completion pass(es); replayed in backward
+        split = len(length_buckets(b.completion_mask.sum(1).tolist(), buckets, policy.BUCKET_OVERHEAD_CELLS))
+        assert (split > 1) == (buckets > 1)                  # the long row is split off from the short ones
+        assert len(passes) == 1 + split and sorted(runs[len(passes):]) == sorted(passes)
         monkeypatch.undo()
         model.gradient_checkpointing_disable()
         assert not any("_can_checkpoint_with_cache" in vars(m) for m in model.modules())   # flag was temporary
-    monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt: None)
+    monkeypatch.setattr(policy, "_shared_prompt_hidden", lambda d, bt, **kw: None)
     lp_full, g_full = value_and_grads()
     torch.testing.assert_close(lp_shared, lp_full, atol=1e-5, rtol=1e-5)
     assert g_shared.keys() == g_full.keys() and len(g_full) > 5

@@ -81,7 +81,7 @@ def test_static_closure_covers_what_each_stage_imports_at_run_time():
 # --------------------------------------------------------------------------- real dvc status
 def _dvc(repo: Path, *args: str) -> str:
     dvc = Path(sys.executable).with_name("dvc")
-    r = subprocess.run([str(dvc), *args], cwd=repo, capture_output=True, text=True)
+    r = subprocess.run([str(dvc), *args], cwd=repo, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr + r.stdout
     return r.stdout
 
@@ -190,10 +190,23 @@ def test_training_sampling_keys_do_not_rerun_evaluate(dvc_repo):
         assert "sample@it0" in listed and not {"evaluate@base", "evaluate@sft"} & listed
         path.write_text(original.replace("  top_p: 1.0", "  top_p: 0.9"))
         assert {"sample@it0", "evaluate@base", "evaluate@sft"} <= _status(dvc_repo)
+        sampling_seed = _replace_in_section(original, "sampling", "seed: 0", "seed: 3")
+        path.write_text(_replace_in_section(sampling_seed, "update", "seed: 0", "seed: 3"))
+        listed = _status(dvc_repo)
+        assert "sample@it0" in listed and "update@it0" in listed and not {"evaluate@base", "evaluate@sft"} & listed
+        path.write_text(_replace_in_section(original, "evaluate", "seed: 0", "seed: 3"))
+        assert {"evaluate@base", "evaluate@sft"} <= _status(dvc_repo)
         path.write_text(original.replace("memory_mb: 256", "memory_mb: 512"))
         assert {"score@it0", "evaluate@base"} <= _status(dvc_repo)
     finally:
         path.write_text(original)
+
+
+def _replace_in_section(text: str, section: str, old: str, new: str) -> str:
+    """``text`` with the first ``old`` after the line ``<section>:`` replaced (a key of that section)."""
+    start = text.index(f"\n{section}:")
+    at = text.index(old, start)
+    return text[:at] + new + text[at + len(old):]
 
 
 class _Recorder:

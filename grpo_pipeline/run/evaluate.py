@@ -24,6 +24,7 @@ from grpo_pipeline.rewards import score_frame
 from grpo_pipeline.run import summary
 from grpo_pipeline.sampling import backend_for, build_requests, spec_from
 
+
 def eval_rewards(reward: RewardConfig, *, coding: bool) -> RewardConfig:
     """The judge's rewards: accuracy and strict format (and all-or-nothing tests), with ``reward.rel_tol``
     and the ``reward.tests`` sandbox limits of params.yaml."""
@@ -87,9 +88,9 @@ def run(cfg: EvaluateConfig, sampling: SamplingConfig, reward: RewardConfig, *, 
     if n_prompts:
         df = df.head(n_prompts)
     tokenizer = load_tokenizer(checkpoint)
-    requests, _ = build_requests(df, tokenizer, iteration=f"eval/{name}", seed=sampling.seed,
+    requests, _ = build_requests(df, tokenizer, iteration=f"eval/{name}", seed=cfg.seed,
                                  max_prompt_len=sampling.max_model_len - cfg.max_new_tokens, source=prompts)
-    backend = backend_for(sampling, checkpoint)
+    backend = backend_for(sampling, checkpoint, seed=cfg.seed)
     greedy = backend.generate(requests, spec_from(sampling, n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens))
     result = judge(_frame(df, greedy), reward).with_columns(checkpoint=pl.lit(name)).drop("tests", "entry_point", strict=False)
     metrics = eval_metrics(result)
