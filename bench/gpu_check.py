@@ -17,6 +17,8 @@ forward/backward (zero advantages, KL term) over the same token count.
     python bench/gpu_check.py --out /tmp/gpu                       # W1 and random-0.5b
     python bench/gpu_check.py --out /tmp/gpu --models w1 -S base.source=gguf -S base.path=/tmp/m.gguf
     python bench/gpu_check.py --out /tmp/gpu --dry-run             # print the params and commands only
+    python bench/gpu_check.py --out /tmp/gpu --models w1-random,random-0.5b --tokenizer <SmolLM2 tokenizer dir>
+                                  # W1's shapes with random weights, where the GGUF cannot travel
 """
 
 from __future__ import annotations
@@ -45,13 +47,20 @@ RANDOM_05B = {"hidden_size": 1152, "intermediate_size": 3072, "num_hidden_layers
               "num_key_value_heads": 6, "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 2048,
               "rms_norm_eps": 1e-5, "rope_theta": 100000.0}
 
+# W1's own shapes (SmolLM2-135M) with random weights: where the packaged GGUF (98 MB) cannot travel to the GPU
+# machine, the same FLOPs and memory through the same stages (its completions run to max_new_tokens)
+SMOLLM2_135M = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "head_dim": 64, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5, "rope_theta": 100000.0}
+RANDOM = {"random-0.5b": RANDOM_05B, "w1-random": SMOLLM2_135M}
+
 
 def model_overrides(name: str, random_dir: Path) -> list[str]:
     if name == "w1":
         return []
-    if name == "random-0.5b":
+    if name in RANDOM:
         return ["base.source=hf", f"base.path={random_dir}", "advantage.filter_groups=false"]
-    raise SystemExit(f"unknown model {name!r}: w1 | random-0.5b")
+    raise SystemExit(f"unknown model {name!r}: w1 | {' | '.join(RANDOM)}")
 
 
 def config_params(overrides: list[str], backend: str) -> dict:
@@ -129,7 +138,7 @@ def main() -> None:
     names = args.models.split(",")
     if args.dry_run:
         for n in names:
-            params = config_params([*model_overrides(n, out / "random-0.5b-init"), *args.set], backend)
+            params = config_params([*model_overrides(n, out / f"{n}-init"), *args.set], backend)
             print(f"# {n}: sampling {params['sampling']}\n# update {params['update']}")
             print("\n".join(f"{s}: {c}" for s, c in stage_commands(params)))
         return
@@ -142,15 +151,15 @@ def main() -> None:
     print(f"bf16 matmul peak on {dev}: {peak / 1e12:.1f} TFLOP/s; backend {backend}", flush=True)
     results = []
     for n in names:
-        if n == "random-0.5b":
+        if n in RANDOM:
             src = args.tokenizer or next((out / r["name"] / "models/base" for r in results if r["name"] == "w1"), None)
             if src is None:  # the tokenizer comes from W1's imported base model
                 results.append(run_model("w1", [*args.set], out, backend))
                 src = out / "w1" / "models/base"
             t = time.perf_counter()
-            count = build_random_model(src, out / "random-0.5b-init")
-            print(f"random-0.5b: {count / 1e9:.2f}B parameters, built in {time.perf_counter() - t:.0f} s", flush=True)
-        r = run_model(n, [*model_overrides(n, out / "random-0.5b-init"), *args.set], out, backend)
+            count = build_random_model(src, out / f"{n}-init", RANDOM[n])
+            print(f"{n}: {count / 1e9:.2f}B parameters, built in {time.perf_counter() - t:.0f} s", flush=True)
+        r = run_model(n, [*model_overrides(n, out / f"{n}-init"), *args.set], out, backend)
         results.append(r)
         print(report(r, peak), flush=True)
         if r.get("failed"):

@@ -18,7 +18,7 @@ gpu = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu)
 
 
-@pytest.mark.parametrize("name", ["w1", "random-0.5b"])
+@pytest.mark.parametrize("name", ["w1", "random-0.5b", "w1-random"])
 def test_config_is_w1_and_validates(name, tmp_path):
     params = gpu.config_params(gpu.model_overrides(name, tmp_path / "r"), "hf")
     s, u = params["sampling"], params["update"]
@@ -38,6 +38,9 @@ def test_random_model_is_half_a_billion_and_loads(tiny_model, tmp_path):
     with torch.device("meta"):
         big = LlamaForCausalLM(LlamaConfig(vocab_size=49152, **gpu.RANDOM_05B))
     assert 0.45e9 < sum(p.numel() for p in big.parameters()) < 0.55e9
+    with torch.device("meta"):   # w1-random: SmolLM2-135M's shapes (134.5M parameters with its 49152 tokens)
+        w1 = LlamaForCausalLM(LlamaConfig(vocab_size=49152, **gpu.SMOLLM2_135M))
+    assert sum(p.numel() for p in w1.parameters()) == 134_515_008
     small = dict(gpu.RANDOM_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32)
     n = gpu.build_random_model(Path(tiny_model), tmp_path / "rnd", small)
