@@ -41,6 +41,7 @@ registered functions of ``grpo_pipeline.losses``; :func:`clip_range` picks their
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import time
@@ -76,6 +77,20 @@ def autocast(cfg: UpdateConfig, device: torch.device):
     # would cast a weight once for the prompt pass and the completion pass together but again in each replay.
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16",
                           cache_enabled=cfg.gradient_checkpointing != "selective")
+
+
+def attention_kernels(device: torch.device):
+    """The attention kernels the update's forward may use (its backward follows): on a GPU all but cuDNN's.
+
+    Left-padded prompts give fully masked query rows under an explicit mask. cuDNN's attention, torch's first
+    choice on Hopper, returns NaN in dQ for such rows (pytorch/pytorch#196678, a regression in torch 2.11;
+    memory-efficient and math attention are clean): on an H100 with torch 2.11 ``bench/gpu_check.py``'s update
+    stopped on a NaN gradient norm while its loss and the reference pass were finite."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _advantages(rows: Sequence[Rollout], C: int) -> torch.Tensor:
@@ -351,7 +366,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
             sel = torch.tensor(idx, device=device)
             with no_sync(module, ctx, sync=j == len(plan) - 1):
                 t_f = timer.mark()
-                with autocast(cfg, device):
+                with autocast(cfg, device), attention_kernels(device):
                     logp, ent = completion_logprobs(module, b, with_entropy=True)   # (b, C) each
                 old = logp.detach() if k == 0 else logp_old[sel, :C]
                 ref = old if ref_is_old else (logp_ref[sel, :C] if logp_ref is not None else None)

@@ -332,3 +332,18 @@ def test_update_max_tokens_wins_over_the_samplers_budget(tmp_path, ckpts):
         loss[max_tokens] = json.loads((tmp_path / f"out{max_tokens}.steps.json").read_text())[0]["loss"]
     want = -sum(r.advantage * len(r.completion_ids) for r in rows) / 4
     assert loss[None] == pytest.approx(want / 8, rel=1e-5) and loss[16] == pytest.approx(want / 16, rel=1e-5)
+
+
+def test_update_attention_leaves_out_cudnn_on_a_gpu_only():
+    """cuDNN attention returns NaN dQ for the fully masked rows of left-padded prompts (pytorch#196678): the
+    update's forward excludes it on CUDA. No GPU here, so this checks the boundary: the backend flags torch
+    reads when it picks a kernel, inside and after the context, and that CPU is left alone."""
+    from grpo_pipeline.update import attention_kernels
+
+    before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    with attention_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+    with attention_kernels(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()) == before
