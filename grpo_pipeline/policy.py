@@ -26,6 +26,7 @@ all-gather) see every use of the weights.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -198,6 +199,21 @@ def _checkpointed_layers(decoder: torch.nn.Module) -> list[torch.nn.Module] | No
     if not layers or not all(isinstance(m, GradientCheckpointingLayer) for m in layers):
         return None
     return [m for m in layers if m.gradient_checkpointing]
+
+
+def attention_kernels(device: torch.device):
+    """The attention kernels a differentiated forward may use (its backward follows): on a GPU all but cuDNN's.
+
+    Left-padded prompts give fully masked query rows under an explicit mask. cuDNN's attention, torch's first
+    choice on Hopper, returns NaN in dQ for such rows (pytorch/pytorch#196678, a regression in torch 2.11;
+    memory-efficient and math attention are clean): on an H100 with torch 2.11 ``bench/gpu_check.py``'s update
+    stopped on a NaN gradient norm while its loss and the reference pass were finite. Used by
+    every forward that is differentiated (update, SFT)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def can_share_prompts(decoder: torch.nn.Module) -> bool:

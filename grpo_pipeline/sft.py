@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_pipeline.config import SFTConfig
-from grpo_pipeline.policy import collate, completion_logprobs
+from grpo_pipeline.policy import attention_kernels, collate, completion_logprobs
 from grpo_pipeline.template import demonstration, render_prompt, task_of
 
 
@@ -52,7 +52,8 @@ def sft_loss(model: torch.nn.Module, prompts: list[list[int]], completions: list
              pad_id: int) -> tuple[torch.Tensor, int]:
     """Mean NLL over completion tokens: -(1/N) sum_{i,t in o_i} log pi(o_t | q, o_<t)."""
     b = collate(prompts, completions, pad_id=pad_id).to(next(model.parameters()).device)
-    logp, _ = completion_logprobs(model, b)                    # (B, C)
+    with attention_kernels(b.input_ids.device):
+        logp, _ = completion_logprobs(model, b)                # (B, C)
     mask = b.completion_mask.to(logp.dtype)                    # (B, C): prompt tokens never appear here
     return -(logp * mask).sum() / mask.sum(), b.num_tokens
 
@@ -83,6 +84,8 @@ def train_sft(model: torch.nn.Module, demos: list[tuple[list[int], list[int]]], 
                 raise RuntimeError(f"sft: non-finite loss at step {step}")
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not torch.isfinite(gn):
+                raise RuntimeError(f"sft: non-finite gradient norm {float(gn)} at step {step}; nothing written")
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)

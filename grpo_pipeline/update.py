@@ -41,7 +41,6 @@ registered functions of ``grpo_pipeline.losses``; :func:`clip_range` picks their
 
 from __future__ import annotations
 
-import contextlib
 import math
 import resource
 import time
@@ -56,7 +55,14 @@ from grpo_pipeline.buckets import passes_for
 from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.distributed import DistContext, grad_norm, no_sync
 from grpo_pipeline.losses import grpo_loss
-from grpo_pipeline.policy import PolicyModule, collate, completion_logprobs, enable_checkpointing, is_policy_module
+from grpo_pipeline.policy import (
+    PolicyModule,
+    attention_kernels,
+    collate,
+    completion_logprobs,
+    enable_checkpointing,
+    is_policy_module,
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -77,20 +83,6 @@ def autocast(cfg: UpdateConfig, device: torch.device):
     # would cast a weight once for the prompt pass and the completion pass together but again in each replay.
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16",
                           cache_enabled=cfg.gradient_checkpointing != "selective")
-
-
-def attention_kernels(device: torch.device):
-    """The attention kernels the update's forward may use (its backward follows): on a GPU all but cuDNN's.
-
-    Left-padded prompts give fully masked query rows under an explicit mask. cuDNN's attention, torch's first
-    choice on Hopper, returns NaN in dQ for such rows (pytorch/pytorch#196678, a regression in torch 2.11;
-    memory-efficient and math attention are clean): on an H100 with torch 2.11 ``bench/gpu_check.py``'s update
-    stopped on a NaN gradient norm while its loss and the reference pass were finite."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _advantages(rows: Sequence[Rollout], C: int) -> torch.Tensor:

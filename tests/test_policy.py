@@ -190,6 +190,22 @@ def test_sft_masks_prompt_and_lowers_loss(model, tiny_model, tiny_problems):
     assert float(last) < 0.8 * float(first)
 
 
+def test_sft_stops_on_a_non_finite_gradient_before_the_weights_change(model, tiny_model, tiny_problems):
+    """A NaN gradient with a finite loss (what cuDNN attention gave on an H100 for left-padded prompts) stops
+    SFT before the optimizer writes it into the weights."""
+    tok = load_tokenizer(tiny_model)
+    demos = build_demonstrations(tiny_problems.head(4), tok, max_length=256)
+    weight = next(model.parameters())
+    before = weight.detach().clone()
+    handle = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    try:
+        with pytest.raises(RuntimeError, match="sft: non-finite gradient norm nan at step 0"):
+            train_sft(model, demos, SFTConfig(epochs=1, batch_size=4), pad_id=tok.pad_token_id)
+    finally:
+        handle.remove()
+    assert torch.equal(weight.detach(), before)
+
+
 def test_sft_coding_demos_use_the_coding_instruction_and_skip_rows_without_reference(tiny_model):
     from grpo_pipeline.coding import generate_tasks
     from grpo_pipeline.template import CODING_SYSTEM_PROMPT

@@ -338,7 +338,7 @@ def test_update_attention_leaves_out_cudnn_on_a_gpu_only():
     """cuDNN attention returns NaN dQ for the fully masked rows of left-padded prompts (pytorch#196678): the
     update's forward excludes it on CUDA. No GPU here, so this checks the boundary: the backend flags torch
     reads when it picks a kernel, inside and after the context, and that CPU is left alone."""
-    from grpo_pipeline.update import attention_kernels
+    from grpo_pipeline.policy import attention_kernels
 
     before = (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
     with attention_kernels(torch.device("cpu")):
