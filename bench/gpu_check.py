@@ -19,6 +19,12 @@ forward/backward (zero advantages, KL term) over the same token count.
     python bench/gpu_check.py --out /tmp/gpu --dry-run             # print the params and commands only
     python bench/gpu_check.py --out /tmp/gpu --models w1-random,random-0.5b --tokenizer <SmolLM2 tokenizer dir>
                                   # W1's shapes with random weights, where the GGUF cannot travel
+
+A GPU machine with torch, transformers, peft, pyarrow and pyyaml but no registry also needs (as cp312
+manylinux wheels, ~56 MB, installed with ``pip install --no-index --no-deps --target``): pydantic,
+pydantic-core, annotated-types, typing-inspection, typing-extensions, polars + polars-runtime-32,
+math-verify, latex2sympy2_extended, antlr4-python3-runtime (4.9.3); put ``python`` on PATH (the stage
+commands call it) and the repository on PYTHONPATH.
 """
 
 from __future__ import annotations
