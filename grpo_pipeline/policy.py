@@ -208,7 +208,8 @@ def attention_kernels(device: torch.device):
     choice on Hopper, returns NaN in dQ for such rows (pytorch/pytorch#196678, a regression in torch 2.11;
     memory-efficient and math attention are clean): on an H100 with torch 2.11 ``bench/gpu_check.py``'s update
     stopped on a NaN gradient norm while its loss and the reference pass were finite. Used by
-    every forward that is differentiated (update, SFT)."""
+    every forward that is differentiated (update, SFT) and around its ``backward`` (where gradient checkpointing
+    reruns attention)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

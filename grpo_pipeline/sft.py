@@ -82,7 +82,8 @@ def train_sft(model: torch.nn.Module, demos: list[tuple[list[int], list[int]]], 
             loss, n_tok = sft_loss(model, [p for p, _ in batch], [c for _, c in batch], pad_id=pad_id)
             if not torch.isfinite(loss):
                 raise RuntimeError(f"sft: non-finite loss at step {step}")
-            loss.backward()
+            with attention_kernels(next(model.parameters()).device):   # checkpointed layers rerun attention
+                loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             if not torch.isfinite(gn):
                 raise RuntimeError(f"sft: non-finite gradient norm {float(gn)} at step {step}; nothing written")

@@ -372,7 +372,8 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
                                     rollout_correction_level=cfg.rollout_correction_level,
                                     rollout_correction_cap=cfg.rollout_correction_cap, **norm)
                 t_b = timer.mark()
-                loss.backward()                                  # a non-finite loss is reported below
+                with attention_kernels(device):                  # checkpointed layers rerun attention here
+                    loss.backward()                              # a non-finite loss is reported below
                 timer.add("forward", t_f, t_b)
                 timer.add("backward", t_b, timer.mark())
             s, mx = _micro_stats(loss, m, ent, b.completion_mask)
