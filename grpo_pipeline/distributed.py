@@ -143,8 +143,8 @@ def wrap(lm: torch.nn.Module, ctx: DistContext, cfg: UpdateConfig, *, train: boo
     if ctx.strategy == "fsdp" and ctx.world_size > 1:
         def agree(ok: bool) -> bool:
             return bool(ctx.reduce(torch.tensor([float(ok)]), "min").item())
-    module = PolicyModule(lm, chunk_size=cfg.logprob_chunk_size, agree=agree,
-                          length_buckets=1 if agree is not None else passes_for(cfg.length_buckets, ctx.device.type))
+    module = PolicyModule(lm, chunk_size=cfg.logprob_chunk_size, agree=agree,   # under agree: one pass
+                          length_buckets=passes_for(cfg.length_buckets, ctx.device.type))
     if ctx.strategy == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

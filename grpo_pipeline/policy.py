@@ -256,9 +256,11 @@ def _shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch, *, force: bool
         return None
     key = torch.cat([batch.input_ids[:, :P], batch.attention_mask[:, :P]], dim=1)   # (B, 2P): pads count
     uniq, inverse = torch.unique(key, dim=0, return_inverse=True)                     # (U, 2P), (B,)
-    lengths = batch.completion_mask.sum(1).tolist()                                   # (B,) real tokens per row
-    groups = ([list(range(len(lengths)))] if force or length_buckets <= 1
-              else length_buckets_of(lengths, length_buckets, BUCKET_OVERHEAD_CELLS))
+    if force or length_buckets <= 1:                                                  # one pass: no host sync
+        lengths, groups = None, [list(range(key.shape[0]))]
+    else:
+        lengths = batch.completion_mask.sum(1).tolist()                               # (B,) real tokens per row
+        groups = length_buckets_of(lengths, length_buckets, BUCKET_OVERHEAD_CELLS)
     if uniq.shape[0] == key.shape[0] and len(groups) == 1 and not force:
         return None
     first = torch.empty(uniq.shape[0], dtype=torch.long, device=inverse.device)      # (U,) one row per prompt
