@@ -26,6 +26,8 @@ runs in a fresh subprocess so that peak memory is its own:
     python bench/bench_update.py                              # SmolLM2-135M, imported to /tmp once (~30 s)
     python bench/bench_update.py --prompts 2 --steps 1 --warmup 0   # quick look on a CPU
     python bench/bench_update.py --lora 16    # ours with full fine-tuning beside ours with LoRA (update.lora)
+    python bench/bench_update.py --lora 16 --lora-base --dtype bfloat16 --micro 4 --no-gradient-checkpointing
+        # W1's update (LoRA, bf16): bfloat16 frozen base weights beside float32 ones under autocast
     python bench/bench_update.py --selective  # ours with selective checkpointing (no matmul recomputed), TRL full
     python bench/bench_update.py --skip-baseline --dtype bfloat16 --micro 4 --no-gradient-checkpointing  # W1's update
 """
@@ -97,7 +99,7 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
     reset_peak(device)
     base = current_mb(device)
     rows = [Rollout(r["prompt"], r["completion"], r["advantage"], r["key"]) for r in data["rows"]]
-    lora = {"rank": args.lora, "alpha": 2.0 * args.lora} if args.side == "lora" else None
+    lora = {"rank": args.lora, "alpha": 2.0 * args.lora} if args.side in ("lora", "lora32") else None
     cfg = UpdateConfig(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=len(rows), micro_batch_size=args.micro,
                        dtype=args.dtype, gradient_checkpointing=("selective" if args.selective and args.gradient_checkpointing
                                                                  else args.gradient_checkpointing),
@@ -105,9 +107,11 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
     t0 = time.perf_counter()
     model = load_model(args.model, device=device)
     if cfg.lora is not None:
-        from grpo_pipeline.lora import attach
+        from grpo_pipeline.lora import attach, compute_copies
 
         model = attach(model, cfg.lora)
+        if args.dtype == "bfloat16" and args.side == "lora":   # as the update stage does; lora32: float32 base
+            compute_copies(model, torch.bfloat16)
     t1 = time.perf_counter()
     ref = PolicyModule(load_model(args.model, dtype=args.dtype, device=device).eval().requires_grad_(False),
                        chunk_size=args.chunk, length_buckets=passes_for(cfg.length_buckets, device.type))
@@ -265,8 +269,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="compare ours with LoRA of this rank (alpha 2 x rank, default targets) instead of TRL")
+    p.add_argument("--lora-base", action="store_true",
+                   help="with --lora and bfloat16: LoRA with bfloat16 frozen base weights (the update stage's) "
+                        "beside LoRA with float32 ones (autocast casts them at every product)")
     p.add_argument("--skip-baseline", action="store_true", help="ours only (quick iterations)")
-    p.add_argument("--side", choices=["ours", "trl", "lora"], help=argparse.SUPPRESS)
+    p.add_argument("--side", choices=["ours", "trl", "lora", "lora32"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -299,7 +306,12 @@ def main() -> None:
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
     res = {}
     other = "lora" if args.lora else "trl"
-    for side in ("ours",) if args.skip_baseline else ("ours", other):
+    sides = ("ours",) if args.skip_baseline else ("ours", other)
+    if args.lora_base:
+        if not args.lora or args.dtype != "bfloat16":
+            sys.exit("--lora-base compares LoRA's base weights under bfloat16: give --lora RANK --dtype bfloat16")
+        sides, other = ("lora", "lora32"), "lora32"
+    for side in sides:
         res[side] = run_side(args, side, f.name)
         t = res[side]["times"][args.warmup:] or res[side]["times"]
         c = res[side]["cpu_times"][args.warmup:] or res[side]["cpu_times"]
@@ -311,14 +323,15 @@ def main() -> None:
               f"step times {[round(x, 2) for x in res[side]['times']]}  "
               f"{res[side]['tokens_per_cpu_s']:.2f} tokens per CPU-second  loss {res[side]['loss']}", flush=True)
     os.unlink(f.name)
-    print_breakdown(args, data, res["ours"])
-    if args.skip_baseline:
+    mine = sides[0]
+    print_breakdown(args, data, res[mine])
+    if len(sides) == 1:
         return
-    speed = res["ours"]["tokens_per_s"] / res[other]["tokens_per_s"]
-    mem = res["ours"]["peak_memory_mb"] / res[other]["peak_memory_mb"]
-    upd = res["ours"]["update_mb"] / res[other]["update_mb"]
-    cpu = res["ours"]["tokens_per_cpu_s"] / res[other]["tokens_per_cpu_s"]
-    print(f"ratio ours/{other}: tokens/s x{speed:.2f} (per CPU-second x{cpu:.2f}), peak memory x{mem:.2f} "
+    speed = res[mine]["tokens_per_s"] / res[other]["tokens_per_s"]
+    mem = res[mine]["peak_memory_mb"] / res[other]["peak_memory_mb"]
+    upd = res[mine]["update_mb"] / res[other]["update_mb"]
+    cpu = res[mine]["tokens_per_cpu_s"] / res[other]["tokens_per_cpu_s"]
+    print(f"ratio {mine}/{other}: tokens/s x{speed:.2f} (per CPU-second x{cpu:.2f}), peak memory x{mem:.2f} "
           f"(above imports: x{upd:.2f})")
 
 

@@ -102,6 +102,46 @@ def test_lora_writes_a_merged_checkpoint_and_carries_adapters(tmp_path, ckpts, c
     assert m3["optimizer_state"] == "fresh" and "written with LoRA adapters" in capsys.readouterr().out
 
 
+def test_lora_bf16_base_copies_change_no_product_and_not_the_checkpoint(tmp_path, ckpts, monkeypatch):  # noqa: F811
+    """Under bf16 autocast the update stores the frozen base weights in bf16 (no cast per product): the losses
+    and the merged float32 weights equal those of float32 base weights bit for bit, and the stage does it."""
+    from grpo_pipeline import lora
+    from grpo_pipeline.update import train
+
+    cfg = UpdateConfig(**{**BASE, "lora": LORA, "seed": 3, "dtype": "bfloat16"})
+    rows = rand_rollouts(8, seed=11, groups=True)
+    ref = load_model(ckpts["reference"], dtype="bfloat16").eval()   # as the stage loads it under bf16
+    runs = {}
+    for copies in (False, True):
+        torch.manual_seed(3)
+        model = lora.attach(load_model(ckpts["policy"]), cfg.lora)
+        originals = lora.compute_copies(model, torch.bfloat16) if copies else None
+        bases = {n: m.get_base_layer().weight for n, m in lora._layers(model).items()}
+        if copies:
+            assert set(originals) == set(bases) and len(bases) == 3 * 2            # 3 targets x 2 layers
+            assert all(w.dtype == torch.bfloat16 and not w.requires_grad for w in bases.values())
+            assert all(w.dtype == torch.float32 for w in originals.values())
+        history, _ = train(model, rows, cfg, pad_id=0, ref_model=ref, max_tokens=8)
+        runs[copies] = ([h["loss"] for h in history], {k: v.clone() for k, v in
+                                                         lora.merged(model, originals).state_dict().items()})
+    assert runs[True][0] == runs[False][0] and len(runs[True][0]) == 2
+    w_plain, w_copies = runs[False][1], runs[True][1]
+    assert all(v.dtype == torch.float32 for v in w_copies.values())
+    for k in w_plain:
+        assert torch.equal(w_plain[k], w_copies[k]), k                  # not rounded to bf16 by the copies
+    w0 = weights(ckpts["policy"])
+    assert any(not torch.equal(w0[k], w_copies[k]) for k in w0)        # it trained
+
+    # the stage (which makes the copies under bf16) writes the same float32 checkpoint
+    made, real = [], lora.compute_copies
+    monkeypatch.setattr(lora, "compute_copies", lambda m, dt: made.append(dt) or real(m, dt))
+    data = write_stage_inputs(tmp_path, rows)
+    stage_run(cfg, ckpts, data, tmp_path / "it1")
+    assert made == [torch.bfloat16]
+    for k, v in weights(tmp_path / "it1").items():
+        torch.testing.assert_close(v, w_plain[k], rtol=0, atol=2e-6, msg=k)
+
+
 def test_bad_inputs_name_the_row_or_key(tiny_model):
     from grpo_pipeline import lora
     from grpo_pipeline.update import train

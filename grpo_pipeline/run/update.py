@@ -229,6 +229,8 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
             state, reason = train_state.load_state(policy) if ctx.is_main else (None, "")
             reason = ctx.broadcast_object(reason)
         model, state, reason = _attach_lora(cfg, model, state, reason, ctx)
+        originals = (lora.compute_copies(model, torch.bfloat16)
+                     if cfg.lora is not None and cfg.dtype == "bfloat16" else None)   # float32 kept for the merge
         module = distributed.wrap(model, ctx, cfg)
         optimizer = make_optimizer([p for p in module.parameters() if p.requires_grad], cfg)
         if reason == "resumed":
@@ -255,7 +257,7 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                 if carry:
                     opt_state[lora.ADAPTER_KEY] = lora.adapter_state(model)
                 meta["train_state"]["lora"] = cfg.lora.model_dump()
-                saver = lora.merged(model)
+                saver = lora.merged(model, originals)
             extra = (functools.partial(train_state.write_state, state=opt_state, checkpoint=out,
                                        global_step=global_step) if carry else None)
             save_checkpoint(saver, tokenizer, out, metadata=meta, extra=extra)
