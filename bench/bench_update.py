@@ -16,7 +16,7 @@ runs in a fresh subprocess so that peak memory is its own:
 
 * our breakdown per step (reference pass, pi_old pass, forward, backward, optimizer, the rest; the
   model loads once) and the model FLOP/s (``grpo_pipeline.flops``: 6 N per token for forward+backward,
-  2 N for the reference's forward, N the decoder's parameters without embedding and LM head, plus the
+  4 N for a frozen weight's (LoRA's base: no weight gradient), 2 N for the reference's forward, N the decoder's parameters without embedding and LM head, plus the
   LM head on completion tokens; each distinct prompt counted once) as a share of a square-matmul
   peak in the run's dtype measured in the same process just before and after the steps (MFU).
 
@@ -106,6 +106,9 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
                        logprob_chunk_size=args.chunk, lora=lora, length_buckets=args.length_buckets)
     t0 = time.perf_counter()
     model = load_model(args.model, device=device)
+    from grpo_pipeline.flops import matmul_peak, param_counts, trainable_counts
+
+    n, head = param_counts(model)                            # the base model's weights, as the stage counts
     if cfg.lora is not None:
         from grpo_pipeline.lora import attach, compute_copies
 
@@ -116,8 +119,6 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
     ref = PolicyModule(load_model(args.model, dtype=args.dtype, device=device).eval().requires_grad_(False),
                        chunk_size=args.chunk, length_buckets=passes_for(cfg.length_buckets, device.type))
     loads = {"load_policy_s": t1 - t0, "load_reference_s": time.perf_counter() - t1}
-    from grpo_pipeline.flops import matmul_peak
-
     peak = matmul_peak(getattr(torch, args.dtype), device)   # this process, all its threads, just before the steps
     times, cpu, phases, opt, step = [], [], [], None, 0
     for _ in range(args.warmup + args.steps):
@@ -134,11 +135,8 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
         phases.append({"reference_s": t_ref, "old_s": hist[0].get("prep_s", 0.0),
                        **{k: sum(h.get(k, 0.0) for h in hist) for k in ("forward_s", "backward_s", "optimizer_s")}})
         step += len(hist)
-    from grpo_pipeline.flops import param_counts
-
-    n, head = param_counts(model)
     return {"times": times, "cpu_times": cpu, "loss": hist[-1]["loss"], "kl": hist[-1].get("kl"), "baseline_mb": base,
-            "phases": phases, "loads": loads, "params": [n, head], "length_buckets": passes_for(cfg.length_buckets, device.type),
+            "phases": phases, "loads": loads, "params": [n, head], "trained": list(trainable_counts(model)), "length_buckets": passes_for(cfg.length_buckets, device.type),
             "matmul_peak": max(peak, matmul_peak(getattr(torch, args.dtype), device))}
 
 
@@ -216,7 +214,7 @@ def _sync(device: torch.device) -> None:
 # --------------------------------------------------------------------------- driver
 def print_breakdown(args, data: dict, ours: dict) -> None:
     """Our phases (mean over the timed steps) and the model FLOP/s as a share of the measured matmul peak."""
-    from grpo_pipeline.flops import mfu, update_flops, useful_tokens
+    from grpo_pipeline.flops import forward_flops, mfu, update_flops, useful_tokens
 
     ph = ours["phases"][args.warmup:] or ours["phases"]
     mean = {k: sum(p[k] for p in ph) / len(ph) for k in ph[0]}
@@ -225,17 +223,21 @@ def print_breakdown(args, data: dict, ours: dict) -> None:
     other = step_s - sum(mean.values())
     dec, comp = useful_tokens([r["prompt"] for r in data["rows"]], [r["completion"] for r in data["rows"]])
     n, head = ours["params"]
-    flops = update_flops(n, head, decoder_tokens=dec, head_tokens=comp, train_passes=1, nograd_passes=1)
+    n_trained, head_trained = ours["trained"]
+    flops = update_flops(n, head, decoder_tokens=dec, head_tokens=comp, train_passes=1, nograd_passes=1,
+                         trained_params=n_trained, head_trained=head_trained)
+    ref_flops = forward_flops(n, head, decoder_tokens=dec, head_tokens=comp)
     peak = ours["matmul_peak"]
     loads = "  ".join(f"{k[:-2]} {v:.1f} s" for k, v in ours["loads"].items())
     print(" ours breakdown per step: " + "  ".join(f"{k[:-2]} {v:.2f} s" for k, v in mean.items())
           + f"  other {other:.2f} s  = {step_s:.2f} s   (once: {loads})")
     print(f" ours FLOPs: N = {n / 1e6:.1f}M decoder parameters (no embedding / head) + head {head / 1e6:.1f}M, "
           f"{dec} decoder tokens (distinct prompts once), {comp} completion tokens: "
-          f"{flops / 1e12:.2f} TFLOP per step (fwd+bwd 3x + reference 1x forward)")
+          f"{n_trained / 1e6:.1f}M trained (weight gradients; head {'trained' if head_trained else 'frozen'}): "
+          f"{flops / 1e12:.2f} TFLOP per step (fwd+bwd, reference forward)")
     print(f" ours MFU: {flops / step_s / 1e9:.1f} GFLOP/s of a measured {args.dtype} matmul peak "
           f"{peak / 1e9:.1f} GFLOP/s = {mfu(flops, step_s, peak):.1%}"
-          f"  (forward+backward+optimizer only: {mfu(flops * 3 / 4, step_s - mean['reference_s'], peak):.1%})")
+          f"  (forward+backward+optimizer only: {mfu(flops - ref_flops, step_s - mean['reference_s'], peak):.1%})")
     print(f" ours length buckets: up to {ours['length_buckets']} completion passes per micro-batch (update.length_buckets)")
 
 

@@ -10,7 +10,9 @@ small next to the weights at these lengths):
 * tokens: each distinct prompt once (a group's rows share it) plus every completion token,
   the work a perfect implementation cannot avoid; padding and gradient-checkpointing recompute
   are not counted (model FLOPs, not hardware FLOPs).
-* a forward + backward costs 3 forwards; a no-grad pass (reference, pi_old) 1.
+* a forward + backward costs 3 forwards (forward, input gradients, weight gradients) for a trained
+  weight, 2 for a frozen one (no weight gradient: LoRA's base matrices, a frozen LM head); a no-grad
+  pass (reference, pi_old) 1.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     return n, head.numel()
 
 
+def trainable_counts(model: torch.nn.Module) -> tuple[int, bool]:
+    """``(N_trained, head_trained)``: the decoder parameters :func:`param_counts` counts that get a gradient
+    (all of them in full fine-tuning, LoRA's adapters only under LoRA), and whether the LM head does."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    skip = {id(emb), id(head)}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in skip and p.requires_grad)
+    return n, bool(head.requires_grad)
+
+
 def forward_flops(n_params: int, head_params: int, *, decoder_tokens: int, head_tokens: int) -> float:
     """FLOPs of one forward pass: ``2 N`` per decoder token plus ``2 H V`` per projected token."""
     return 2.0 * n_params * decoder_tokens + 2.0 * head_params * head_tokens
@@ -46,10 +58,18 @@ def useful_tokens(prompts: Sequence[Sequence[int]], completions: Sequence[Sequen
 
 
 def update_flops(n_params: int, head_params: int, *, decoder_tokens: int, head_tokens: int,
-                 train_passes: float = 1, nograd_passes: float = 0) -> float:
-    """Model FLOPs of ``train_passes`` forward+backward and ``nograd_passes`` forward-only passes over the rows."""
+                 train_passes: float = 1, nograd_passes: float = 0, trained_params: int | None = None,
+                 head_trained: bool = True) -> float:
+    """Model FLOPs of ``train_passes`` forward+backward and ``nograd_passes`` forward-only passes over the rows.
+
+    A forward+backward is the forward, the input gradients (one more forward's FLOPs) and the weight
+    gradients of the ``trained_params`` (None: all ``n_params``) and of the head if ``head_trained``.
+    """
     fwd = forward_flops(n_params, head_params, decoder_tokens=decoder_tokens, head_tokens=head_tokens)
-    return (3.0 * train_passes + nograd_passes) * fwd
+    trained = n_params if trained_params is None else trained_params
+    weight_grads = forward_flops(trained, head_params if head_trained else 0,
+                                 decoder_tokens=decoder_tokens, head_tokens=head_tokens)
+    return train_passes * (2.0 * fwd + weight_grads) + nograd_passes * fwd
 
 
 def matmul_peak(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", *, size: int = 2048,

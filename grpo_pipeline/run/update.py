@@ -20,7 +20,7 @@ from grpo_pipeline import distributed, lora, schemas, train_state
 from grpo_pipeline.advantages import token_advantages_from_steps
 from grpo_pipeline.checkpoint import load_model, load_tokenizer, read_checkpoint_metadata, save_checkpoint
 from grpo_pipeline.config import UpdateConfig
-from grpo_pipeline.flops import param_counts, update_flops, useful_tokens
+from grpo_pipeline.flops import param_counts, trainable_counts, update_flops, useful_tokens
 from grpo_pipeline.hardware import resolve_dtype
 from grpo_pipeline.io import write_json
 from grpo_pipeline.run import deterministic, summary
@@ -148,14 +148,19 @@ def phase_times(history: list[dict], times: dict[str, float]) -> dict[str, float
 
 
 def flop_metrics(n_params: int, head_params: int, rows: list[Rollout], *, mu: int, old_share: float,
-                 reference_pass: bool, seconds: float) -> dict[str, float]:
+                 reference_pass: bool, seconds: float, trained: tuple[int, bool] | None = None) -> dict[str, float]:
     """Model GFLOPs of the update's passes over ``rows`` and their GFLOP/s over ``seconds`` (``grpo_pipeline.flops``).
 
-    ``mu`` forward+backward passes, the reference's forward, and pi_old's forward over ``old_share`` of the rows.
+    ``mu`` forward+backward passes, the reference's forward, and pi_old's forward over ``old_share`` of the rows;
+    ``trained``: ``flops.trainable_counts`` of the trained model (None: every weight trained). Under LoRA the
+    base model's weights get input gradients only; the adapters' own forward is left out (~4% of the base's at
+    rank 16 on SmolLM2-135M), as attention's score products are.
     """
     dec, comp = useful_tokens([r.prompt_ids for r in rows], [r.completion_ids for r in rows])
+    n_trained, head_trained = trained if trained is not None else (None, True)
     flops = update_flops(n_params, head_params, decoder_tokens=dec, head_tokens=comp, train_passes=mu,
-                         nograd_passes=old_share + int(reference_pass))
+                         nograd_passes=old_share + int(reference_pass), trained_params=n_trained,
+                         head_trained=head_trained)
     return {"model_gflop": round(flops / 1e9, 3), "gflop_per_s": round(flops / 1e9 / seconds, 3) if seconds else 0.0}
 
 
@@ -229,6 +234,7 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
             state, reason = train_state.load_state(policy) if ctx.is_main else (None, "")
             reason = ctx.broadcast_object(reason)
         model, state, reason = _attach_lora(cfg, model, state, reason, ctx)
+        trained = trainable_counts(model)                   # before sharding: whole tensors
         originals = (lora.compute_copies(model, torch.bfloat16)
                      if cfg.lora is not None and cfg.dtype == "bfloat16" else None)   # float32 kept for the merge
         module = distributed.wrap(model, ctx, cfg)
@@ -267,7 +273,7 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
         compute_s = times.get("reference", 0.0) + history[0].get("prep_s", 0.0) + sum(h["time_s"] for h in history)
         metrics.update(flop_metrics(n_params, head_params, rows, mu=cfg.mu,
                                     old_share=history[0].get("old_rows", 0) / len(rows),
-                                    reference_pass="reference" in times, seconds=compute_s),
+                                    reference_pass="reference" in times, seconds=compute_s, trained=trained),
                        **phase_times(history, times))
         metrics.update(sequences=len(rows), **left_out, world_size=ctx.world_size,
                        optimizer_state=reason.split(":")[0])
