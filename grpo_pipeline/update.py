@@ -61,6 +61,7 @@ from grpo_pipeline.policy import (
     collate,
     completion_logprobs,
     enable_checkpointing,
+    frozen_casts,
     is_policy_module,
 )
 
@@ -189,6 +190,7 @@ def _batch(rollouts: Sequence[Rollout], idx: list[int], active: bool, *, pad_id:
 
 
 @torch.no_grad()
+@frozen_casts()       # a frozen LM head is cast to the autocast dtype once per call, not per chunk
 def rollout_logprobs(model: torch.nn.Module, rollouts: Sequence[Rollout], rows: Sequence[int], *, pad_id: int,
                      cfg: UpdateConfig, device: torch.device, ctx: DistContext | None = None,
                      desc: str = "log-probs") -> torch.Tensor:
@@ -282,6 +284,7 @@ def _check_sampler_logprobs(rollouts: Sequence[Rollout], cfg: UpdateConfig) -> b
     return True
 
 
+@frozen_casts()
 def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *, pad_id: int,
           ref_model: torch.nn.Module | None = None, ref_logprobs: torch.Tensor | None = None,
           device: torch.device | None = None, optimizer: torch.optim.Optimizer | None = None,

@@ -142,6 +142,57 @@ def test_lora_bf16_base_copies_change_no_product_and_not_the_checkpoint(tmp_path
         torch.testing.assert_close(v, w_plain[k], rtol=0, atol=2e-6, msg=k)
 
 
+def test_frozen_head_cast_once_per_call_and_results_unchanged(ckpts, monkeypatch):  # noqa: F811
+    """LoRA under bf16 autocast: the frozen LM head is cast to bf16 once per train() call, not per chunk and
+    pass, and the losses and merged weights equal those of a cast at every use bit for bit."""
+    from grpo_pipeline import lora, policy
+    from grpo_pipeline.update import train
+
+    cfg = UpdateConfig(**{**BASE, "lora": LORA, "seed": 3, "dtype": "bfloat16", "micro_batch_size": 2})
+    rows = rand_rollouts(8, seed=11, groups=True)
+    ref = load_model(ckpts["reference"], dtype="bfloat16").eval()
+    real, runs = policy.frozen_cast, {}
+    for cached in (True, False):
+        torch.manual_seed(3)
+        model = lora.attach(load_model(ckpts["policy"]), cfg.lora)
+        head = model.get_output_embeddings().weight
+        casts = []
+
+        def spy(w, dtype, cached=cached, head=head, casts=casts):
+            out = real(w, dtype) if cached else w.to(dtype)
+            if w is head:
+                casts.append(out.data_ptr())
+            return out
+
+        monkeypatch.setattr(policy, "frozen_cast", spy)
+        history, _ = train(model, rows, cfg, pad_id=0, ref_model=ref, max_tokens=8)
+        runs[cached] = ([h["loss"] for h in history], {k: v.clone() for k, v in lora.merged(model).state_dict().items()})
+        # 2 steps x 2 micro-batches x (1 forward + 2 backward uses) + pi_old's pass over step 2's rows
+        assert len(casts) >= 2 * 2 * 3
+        if cached:
+            assert len(set(casts)) == 1
+    assert runs[True][0] == runs[False][0]
+    for k, v in runs[False][1].items():
+        assert torch.equal(v, runs[True][1][k]), k
+
+
+def test_frozen_cast_is_kept_only_for_unchanged_frozen_weights_inside_the_block():
+    from grpo_pipeline.policy import frozen_cast, frozen_casts
+
+    w = torch.randn(5, 3)
+    assert frozen_cast(w, torch.bfloat16) is not frozen_cast(w, torch.bfloat16)    # outside: a cast per use
+    with frozen_casts():
+        a = frozen_cast(w, torch.bfloat16)
+        assert frozen_cast(w, torch.bfloat16) is a and torch.equal(a, w.to(torch.bfloat16))
+        with torch.no_grad():
+            w.add_(1.0)                                     # an in-place change: a new copy of the new values
+        b = frozen_cast(w, torch.bfloat16)
+        assert b is not a and torch.equal(b, w.to(torch.bfloat16))
+        t = torch.nn.Parameter(torch.randn(5, 3))          # a weight that trains: never kept
+        assert frozen_cast(t, torch.bfloat16) is not frozen_cast(t, torch.bfloat16)
+        assert frozen_cast(w, torch.float32) is w
+
+
 def test_bad_inputs_name_the_row_or_key(tiny_model):
     from grpo_pipeline import lora
     from grpo_pipeline.update import train
