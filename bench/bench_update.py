@@ -16,8 +16,8 @@ runs in a fresh subprocess so that peak memory is its own:
 
 * our breakdown per step (reference pass, pi_old pass, forward, backward, optimizer, the rest; the
   model loads once) and the model FLOP/s (``grpo_pipeline.flops``: 6 N per token for forward+backward,
-  4 N for a frozen weight's (LoRA's base: no weight gradient), 2 N for the reference's forward, N the decoder's parameters without embedding and LM head, plus the
-  LM head on completion tokens; each distinct prompt counted once) as a share of a square-matmul
+  4 N for a frozen weight's (LoRA's base: no weight gradient), 2 N for the reference's forward, N the
+  decoder's parameters without embedding and LM head, plus the LM head on completion tokens; each distinct prompt counted once) as a share of a square-matmul
   peak in the run's dtype measured in the same process just before and after the steps (MFU).
 
 ::
@@ -136,7 +136,8 @@ def side_ours(args, data: dict, device: torch.device) -> dict:
                        **{k: sum(h.get(k, 0.0) for h in hist) for k in ("forward_s", "backward_s", "optimizer_s")}})
         step += len(hist)
     return {"times": times, "cpu_times": cpu, "loss": hist[-1]["loss"], "kl": hist[-1].get("kl"), "baseline_mb": base,
-            "phases": phases, "loads": loads, "params": [n, head], "trained": list(trainable_counts(model)), "length_buckets": passes_for(cfg.length_buckets, device.type),
+            "phases": phases, "loads": loads, "params": [n, head], "trained": list(trainable_counts(model)),
+            "length_buckets": passes_for(cfg.length_buckets, device.type),
             "matmul_peak": max(peak, matmul_peak(getattr(torch, args.dtype), device))}
 
 

@@ -23,26 +23,25 @@ from collections.abc import Sequence
 import torch
 
 
+def _decoder_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters without the token embedding and the LM head (a tied one listed once by ``parameters()``)."""
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return [p for p in model.parameters() if id(p) not in skip]
+
+
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:
     """``(N, H * V)``: decoder parameters without embedding and LM head, and the LM head's weight size.
 
     A tied head counts once, as the head (its input-embedding use is a lookup, no FLOPs).
     """
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    skip = {id(emb), id(head)}
-    n = sum(p.numel() for p in model.parameters() if id(p) not in skip)
-    return n, head.numel()
+    return sum(p.numel() for p in _decoder_params(model)), model.get_output_embeddings().weight.numel()
 
 
 def trainable_counts(model: torch.nn.Module) -> tuple[int, bool]:
     """``(N_trained, head_trained)``: the decoder parameters :func:`param_counts` counts that get a gradient
     (all of them in full fine-tuning, LoRA's adapters only under LoRA), and whether the LM head does."""
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    skip = {id(emb), id(head)}
-    n = sum(p.numel() for p in model.parameters() if id(p) not in skip and p.requires_grad)
-    return n, bool(head.requires_grad)
+    n = sum(p.numel() for p in _decoder_params(model) if p.requires_grad)
+    return n, bool(model.get_output_embeddings().weight.requires_grad)
 
 
 def forward_flops(n_params: int, head_params: int, *, decoder_tokens: int, head_tokens: int) -> float:
