@@ -17,8 +17,9 @@ runs in a fresh subprocess so that peak memory is its own:
 * our breakdown per step (reference pass, pi_old pass, forward, backward, optimizer, the rest; the
   model loads once) and the model FLOP/s (``grpo_pipeline.flops``: 6 N per token for forward+backward,
   4 N for a frozen weight's (LoRA's base: no weight gradient), 2 N for the reference's forward, N the
-  decoder's parameters without embedding and LM head, plus the LM head on completion tokens; each distinct prompt counted once) as a share of a square-matmul
-  peak in the run's dtype measured in the same process just before and after the steps (MFU).
+  decoder's parameters without embedding and LM head, plus the LM head on completion tokens; each
+  distinct prompt counted once) as a share of a square-matmul peak in the run's dtype measured in the
+  same process just before and after the steps (MFU).
 
 ::
 
