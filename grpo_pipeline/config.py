@@ -297,7 +297,10 @@ class UpdateConfig(Section):
     )
     mu: int = Field(1, ge=1, le=16, description="Passes over the iteration's rollouts.")
     minibatch_size: int = Field(16, ge=1, description="Sequences per optimizer step (over all processes).")
-    micro_batch_size: int = Field(4, ge=1, description="Sequences per forward/backward, per process (peak memory).")
+    micro_batch_size: int = Field(
+        16, ge=1, description="Sequences per forward/backward, per process (peak memory); at least minibatch_size: "
+        "one forward/backward per optimizer step.",
+    )
     max_grad_norm: float = Field(1.0, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up over the first global optimizer steps.")
@@ -336,7 +339,7 @@ class UpdateConfig(Section):
 
     @model_validator(mode="after")
     def _micro(self) -> UpdateConfig:
-        if self.minibatch_size % self.micro_batch_size:
+        if self.micro_batch_size < self.minibatch_size and self.minibatch_size % self.micro_batch_size:
             msg = f"update.minibatch_size ({self.minibatch_size}) must be a multiple of update.micro_batch_size ({self.micro_batch_size})"
             raise ValueError(msg)
         if self.lr_schedule != "constant" and self.total_steps is None:
