@@ -95,7 +95,7 @@ class BaseModelConfig(Section):
 
 # --------------------------------------------------------------------------- sft
 class SFTConfig(Section):
-    epochs: float = Field(1.0, gt=0, le=100)
+    epochs: float = Field(2.0, gt=0, le=100)
     lr: float = Field(1e-4, gt=0, le=1)
     batch_size: int = Field(8, ge=1)
     max_examples: int | None = Field(256, ge=1, description="Demonstrations used (None: all train problems).")
