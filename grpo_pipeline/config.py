@@ -298,7 +298,7 @@ class UpdateConfig(Section):
     mu: int = Field(1, ge=1, le=16, description="Passes over the iteration's rollouts.")
     minibatch_size: int = Field(16, ge=1, description="Sequences per optimizer step (over all processes).")
     micro_batch_size: int = Field(
-        16, ge=1, description="Sequences per forward/backward, per process (peak memory); at least minibatch_size: "
+        16, ge=1, description="Sequences per forward/backward, per process (peak memory); at or above minibatch_size, "
         "one forward/backward per optimizer step.",
     )
     max_grad_norm: float = Field(1.0, gt=0)

@@ -63,7 +63,6 @@ def test_bad_values_name_the_range(tmp_path, obj, words):
         assert w in str(e.value)
 
 
-
 def test_micro_batch_may_exceed_the_minibatch(tmp_path):
     """``-S update.minibatch_size=8`` with the default micro-batch of 16: one forward/backward of 8 rows per
     optimizer step, not an error (the split into micro-batches is what must divide evenly)."""
@@ -71,6 +70,7 @@ def test_micro_batch_may_exceed_the_minibatch(tmp_path):
     assert (cfg.minibatch_size, cfg.micro_batch_size) == (8, 16)
     with pytest.raises(ParamsError, match="multiple"):
         load_params(write(tmp_path, {"update": {"minibatch_size": 24}}), sections=["update"])
+
 
 def _walk(model: type[Section], raw: dict, where: str) -> list[str]:
     """Differences between a params.yaml section and the schema's defaults, recursing into sub-sections."""
