@@ -7,9 +7,14 @@ completions, mu = 1.
 Ours: ``dvc repro -f -s <stage>`` for sample@it0, score@it0, advantage@it0, update@it0 in a
 scratch copy of the project (DVC overhead and every model load / engine start-up included).
 TRL: ``GRPOTrainer(use_vllm=False)`` for ``max_steps=1`` on the same prompts, same reward rules,
-in its own process (model load excluded from its step time, which favours TRL).  The two
+in its own process (model load excluded from its step time, which favours TRL), with the same
+memory allocator as our stages (``GRPO_ALLOCATOR``, ``grpo_pipeline/allocator.py``).  The two
 alternate ``--rounds`` times.  Peak memory is the largest resident set of any one process of
-each side (``RUSAGE_CHILDREN``), i.e. the heaviest stage for ours.
+each side (``RUSAGE_CHILDREN``), i.e. the heaviest stage for ours.  The sampling and update stages'
+rows break their wall time down by part (from the stages' own metrics: engine start-up, generation,
+writing; loads, reference pass, pi_old pass, forward, backward, optimizer, writing); ``rest`` is what
+the stage's metrics do not time: process start, imports, the tokenizer, DVC's own work (hashing and
+caching the outputs).
 
     python bench/iteration.py --precision bf16 --rounds 2      # needs: pip install -e '.[bench]'
 """
@@ -78,6 +83,22 @@ def setup(work: Path, precision: str) -> Path:
     return repo
 
 
+def sample_parts(m: dict, wall: float) -> dict[str, float]:
+    """sample@it0's wall seconds by part (the stage's metrics); ``rest``: process start, imports, tokenizer, DVC."""
+    parts = {"engine start-up": m.get("engine_startup_s", 0.0), "generation": m.get("sample_s", 0.0),
+             "writing": m.get("write_s", 0.0)}
+    return {**parts, "rest": wall - sum(parts.values())}
+
+
+def update_parts(m: dict, wall: float) -> dict[str, float]:
+    """update@it0's wall seconds by phase (``time/*`` metrics); ``rest``: process start, imports, DVC's hashing."""
+    t = lambda k: m.get(f"time/{k}_s", 0.0)  # noqa: E731
+    parts = {"loads": t("load_reference") + t("load_policy"), "reference": t("reference"),
+             "pi_old": t("old_logprobs"), "forward": t("forward"), "backward": t("backward"),
+             "optimizer": t("optimizer"), "writing": t("write")}
+    return {**parts, "rest": wall - sum(parts.values())}
+
+
 def run_ours(repo: Path) -> dict:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     res = {}
@@ -88,14 +109,22 @@ def run_ours(repo: Path) -> dict:
     if not upd.get("steps") or upd.get("sequences") != 64:
         sys.exit(f"W1's update trained on {upd.get('sequences')} sequences in {upd.get('steps')} steps, not 64 in 1")
     res["update_tokens_per_s"] = upd.get("tokens_per_s")
+    smp = json.loads((repo / "metrics/iterations/it0/sample.json").read_text())
+    res["sample@it0"]["parts"] = sample_parts(smp, res["sample@it0"]["wall_s"])
+    res["update@it0"]["parts"] = update_parts(upd, res["update@it0"]["wall_s"])
     res["total_s"] = sum(v["wall_s"] for k, v in res.items() if k in STAGES)
     res["peak_rss_mb"] = max(v["peak_rss_mb"] for k, v in res.items() if k in STAGES)
     return res
 
 
 def run_trl(repo: Path, precision: str) -> dict:
+    # TRL's process gets the allocator our stage processes re-execute themselves with (grpo_pipeline/allocator.py)
+    sys.path.insert(0, str(ROOT))
+    from grpo_pipeline.allocator import environment
+
+    env = {**os.environ, **environment(dict(os.environ))[0]}
     wall, rss, out = measure([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(repo),
-                              "--precision", precision], repo)
+                              "--precision", precision], repo, env)
     line = [ln for ln in out.splitlines() if ln.startswith("TRL ")][-1]
     res = json.loads(line[4:])
     res.update(process_wall_s=wall, peak_rss_mb=rss)
@@ -178,7 +207,11 @@ def main() -> None:
     med = lambda xs: sorted(xs)[len(xs) // 2]
     print(f"{'stage':<16}{'wall s':>10}{'peak MiB':>10}")
     for s in STAGES:
-        print(f"{s:<16}{med([o[s]['wall_s'] for o in ours]):>10.1f}{med([o[s]['peak_rss_mb'] for o in ours]):>10.0f}")
+        parts = ""
+        if "parts" in ours[0][s]:   # each part's median over the rounds
+            parts = "   " + ", ".join(f"{k} {med([o[s]['parts'][k] for o in ours]):.1f}" for k in ours[0][s]["parts"])
+        print(f"{s:<16}{med([o[s]['wall_s'] for o in ours]):>10.1f}{med([o[s]['peak_rss_mb'] for o in ours]):>10.0f}"
+              + parts)
     o_total, o_rss = med([o["total_s"] for o in ours]), med([o["peak_rss_mb"] for o in ours])
     print(f"{'ours total':<16}{o_total:>10.1f}{o_rss:>10.0f}   update {med([o['update_tokens_per_s'] for o in ours])} tok/s")
     if trl:

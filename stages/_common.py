@@ -9,6 +9,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
 
+from grpo_pipeline.allocator import reexec  # noqa: E402
+
+reexec()  # once, before torch is imported: the allocator (GRPO_ALLOCATOR) is chosen at process start
+
 # Errors about the stage's input (bad data, bad params, a missing file; the project's own error types)
 # name the file and row or key in their message: print that one line, not a traceback.
 # GRPO_TRACEBACK=1 shows the traceback.

@@ -133,8 +133,9 @@ def test_stage_rows_schema_metadata_and_decoding(tiny_vllm, tiny_model, prompts_
         assert ends == want
     printed = capsys.readouterr().out
     for key in ("completion_tokens_per_s", "completion_len_mean", "completion_len_max", "truncated_share",
-                "engine_startup_s"):
+                "engine_startup_s", "sample_s", "write_s"):
         assert key in metrics and f" {key}=" in printed  # DVC metrics and the summary line
+    assert metrics["sample_s"] > 0 and metrics["write_s"] > 0
     assert metrics["completions"] == ro.height and metrics["completion_len_max"] == ro["completion_len"].max()
     assert metrics["truncated_share"] == pytest.approx((ro["finish_reason"] == "length").mean(), abs=1e-4)
     assert (tmp_path / "it0.json").is_file()

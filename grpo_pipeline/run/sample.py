@@ -165,6 +165,7 @@ def sample_shard(backend: Backend, shard: Shard, spec: SamplingSpec, *, batch_pr
     """Generate ``shard``'s groups batch by batch, appending each batch to its Parquet file as a row group."""
     stats = RolloutStats(extra={"engine_startup_s": round(backend.startup_s, 2)})
     meta = {**shard.meta, **backend.versions(), "engine": getattr(backend, "engine_args", {})}
+    t_start = time.perf_counter()
     with schemas.stream_writer(shard.path, "rollouts", metadata=meta) as write:
         for lo in range(0, len(shard.requests), batch_prompts):
             batch = shard.requests[lo: lo + batch_prompts]
@@ -176,6 +177,7 @@ def sample_shard(backend: Backend, shard: Shard, spec: SamplingSpec, *, batch_pr
                                 samples, iteration=shard.meta["iteration"], policy=shard.meta["policy"],
                                 tokenizer=backend.tokenizer))
     stats.extra["sample_s"] = round(stats.seconds, 3)
+    stats.extra["write_s"] = round(time.perf_counter() - t_start - stats.seconds, 3)   # rows built + Parquet
     return stats
 
 
