@@ -57,12 +57,15 @@ def setup(work: Path, precision: str) -> Path:
     if not (repo / "models/sft").exists():
         shutil.rmtree(repo, ignore_errors=True)
         repo.mkdir(parents=True)
-        for name in ("dvc.yaml", "stages", "grpo_pipeline"):
-            src = ROOT / name
-            (shutil.copytree(src, repo / name, ignore=shutil.ignore_patterns("__pycache__")) if src.is_dir()
-             else shutil.copy(src, repo / name))
         subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
         subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
+    for name in ("dvc.yaml", "stages", "grpo_pipeline"):      # this checkout's code, also in a reused scratch copy
+        src, dst = ROOT / name, repo / name
+        if src.is_dir():
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dst)
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params.pop("iterations"), params.pop("evaluations")
     dt = "bfloat16" if precision == "bf16" else "float32"

@@ -1,5 +1,6 @@
-"""The stage processes' allocator (grpo_pipeline/allocator.py): what each GRPO_ALLOCATOR asks for, and
-that a stage script really re-executes itself once with it, before torch is imported."""
+"""How a stage process starts: its allocator (grpo_pipeline/allocator.py: what each GRPO_ALLOCATOR asks for,
+and that a stage script really re-executes itself once with it, before torch is imported), and its
+deterministic mode set without importing torch._dynamo."""
 
 from __future__ import annotations
 
@@ -91,3 +92,16 @@ def test_a_stage_script_reexecutes_itself_with_the_allocator(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "stages" / "check.py")], env={**os.environ,
                          allocator.ENV: "jemaloc"}, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 1 and "error: GRPO_ALLOCATOR='jemaloc'" in bad.stderr
+
+
+def test_deterministic_sets_torchs_and_inductors_flags_without_importing_dynamo(tmp_path):
+    """``run.deterministic`` (update, SFT): deterministic kernels on, warn-only, and inductor's flag too (read
+    from TORCHINDUCTOR_DETERMINISTIC when inductor is imported later), in a process that never loads dynamo."""
+    code = ("import sys, torch; sys.path.insert(0, {root!r}); from grpo_pipeline.run import deterministic; "
+            "deterministic(); dyn = 'torch._dynamo' in sys.modules; import torch._inductor.config as c; "
+            "print(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(), "
+            "c.deterministic, dyn)").format(root=str(ROOT))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_DETERMINISTIC"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "True", "False"]

@@ -33,9 +33,22 @@ def deterministic() -> None:
     needs a fixed workspace and the atomics-based kernels (the embedding's backward, ...) are
     swapped for deterministic ones; an op that has none warns, naming itself, instead of failing.
     """
+    import sys
+
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # torch.use_deterministic_algorithms also sets inductor's flag, importing torch._inductor and with it
+    # torch._dynamo (~1.2 s a stage, which compiles nothing): inductor reads the same flag from this variable
+    # when it is imported later, so set both without the import
+    os.environ.setdefault("TORCHINDUCTOR_DETERMINISTIC", "1")
+    inductor = sys.modules.get("torch._inductor.config")
+    if inductor is not None:
+        inductor.deterministic = True
+    set_mode = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if set_mode is None:              # a torch without the private setter: the public call (and its import)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    else:
+        set_mode(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
