@@ -4,7 +4,8 @@ Workload (default): SmolLM2-135M, 8 prompts x 8 completions, prompts of 32..96 t
 16..128 tokens (synthetic token ids, group-normalised random advantages), one optimizer step of 64
 sequences in 4 micro-batches of 16, beta = 0.04 (reference log-probs every step), mu = 1, AdamW.
 Both sides use the same dtype and gradient checkpointing setting (TRL's defaults: on).  Each side
-runs in a fresh subprocess so that peak memory is its own:
+runs in a fresh subprocess so that peak memory is its own, both with the memory allocator the stages run
+with (``GRPO_ALLOCATOR``, ``grpo_pipeline/allocator.py``; ``GRPO_ALLOCATOR=system`` for glibc's defaults):
 
 * tokens/s: completion tokens / (reference log-prob pass + forward/backward + optimizer step),
   averaged over ``--steps`` steps after ``--warmup`` ones; TRL's step is timed by a callback around
@@ -245,8 +246,12 @@ def print_breakdown(args, data: dict, ours: dict) -> None:
 
 
 def run_side(args, side: str, data_path: str) -> dict:
+    """One side in its own process, with the allocator the pipeline's stages run with (both sides alike)."""
+    from grpo_pipeline.allocator import environment
+
     cmd = [sys.executable, __file__, "--side", side, "--data", data_path, *sys.argv[1:]]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    env = {**os.environ, **environment(dict(os.environ))[0], "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or not lines:
         sys.exit(f"{side} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")

@@ -8,7 +8,8 @@ Ours: ``dvc repro -f -s <stage>`` for sample@it0, score@it0, advantage@it0, upda
 scratch copy of the project (DVC overhead and every model load / engine start-up included).
 TRL: ``GRPOTrainer(use_vllm=False)`` for ``max_steps=1`` on the same prompts, same reward rules,
 in its own process (model load excluded from its step time, which favours TRL), with the same
-memory allocator as our stages (``GRPO_ALLOCATOR``, ``grpo_pipeline/allocator.py``).  The two
+memory allocator as our stages (``GRPO_ALLOCATOR``, ``grpo_pipeline/allocator.py``; ``--trl-allocator
+system``: glibc's defaults, as a TRL user gets them).  The two
 alternate ``--rounds`` times.  Peak memory is the largest resident set of any one process of
 each side (``RUSAGE_CHILDREN``), i.e. the heaviest stage for ours.  The sampling and update stages'
 rows break their wall time down by part (from the stages' own metrics: engine start-up, generation,
@@ -120,12 +121,12 @@ def run_ours(repo: Path) -> dict:
     return res
 
 
-def run_trl(repo: Path, precision: str) -> dict:
+def run_trl(repo: Path, precision: str, *, same_allocator: bool = True) -> dict:
     # TRL's process gets the allocator our stage processes re-execute themselves with (grpo_pipeline/allocator.py)
     sys.path.insert(0, str(ROOT))
     from grpo_pipeline.allocator import environment
 
-    env = {**os.environ, **environment(dict(os.environ))[0]}
+    env = {**os.environ, **(environment(dict(os.environ))[0] if same_allocator else {})}
     wall, rss, out = measure([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(repo),
                               "--precision", precision], repo, env)
     line = [ln for ln in out.splitlines() if ln.startswith("TRL ")][-1]
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp/grpo-bench-iteration")
     ap.add_argument("--skip-trl", action="store_true")
+    ap.add_argument("--trl-allocator", choices=["same", "system"], default="same",
+                    help="TRL's process: our stages' allocator (default, a like-for-like run) or the system's")
     ap.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.trl_worker:
@@ -204,7 +207,7 @@ def main() -> None:
         ours.append(run_ours(repo))
         print(f"round {r}: ours {ours[-1]['total_s']:.1f} s, peak {ours[-1]['peak_rss_mb']:.0f} MiB", flush=True)
         if not a.skip_trl:
-            trl.append(run_trl(repo, a.precision))
+            trl.append(run_trl(repo, a.precision, same_allocator=a.trl_allocator == "same"))
             print(f"round {r}: TRL step {trl[-1]['step_s']:.1f} s, peak {trl[-1]['peak_rss_mb']:.0f} MiB", flush=True)
     print(f"\nW1, {a.precision}, {a.rounds} rounds (median of rounds)")
     med = lambda xs: sorted(xs)[len(xs) // 2]
