@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))   # grpo_pipeline from this checkout
 STAGES = ["sample@it0", "score@it0", "advantage@it0", "update@it0"]
 MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
            "r = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True); "
@@ -79,7 +80,6 @@ def setup(work: Path, precision: str) -> Path:
     params["update"].update(lr=1e-6, beta=0.04, epsilon=0.2, mu=1, minibatch_size=64, dtype=dt,
                             lora=None)    # W1 is full fine-tuning, as TRL's step (the default recipe uses LoRA)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    sys.path.insert(0, str(ROOT))
     from grpo_pipeline.iterations import rewrite
 
     rewrite(repo / "params.yaml", 1)
@@ -123,7 +123,6 @@ def run_ours(repo: Path) -> dict:
 
 def run_trl(repo: Path, precision: str, *, same_allocator: bool = True) -> dict:
     # TRL's process gets the allocator our stage processes re-execute themselves with (grpo_pipeline/allocator.py)
-    sys.path.insert(0, str(ROOT))
     from grpo_pipeline.allocator import environment
 
     env = {**os.environ, **(environment(dict(os.environ))[0] if same_allocator else {})}
@@ -142,7 +141,6 @@ def trl_worker(repo: Path, precision: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, str(ROOT))
     from grpo_pipeline.config import RewardConfig
     from grpo_pipeline.rewards import score_frame
     from grpo_pipeline.template import messages
