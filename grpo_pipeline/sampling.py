@@ -177,10 +177,12 @@ class VLLMBackend:
                  tensor_parallel_size: int = _DEFAULT.tensor_parallel_size, enforce_eager: bool = _DEFAULT.enforce_eager,
                  seed: int = _DEFAULT.seed, in_process: bool | None = None, chunked_prefill: bool | None = None,
                  kv_cache_gib: float | None = None, max_num_seqs: int | None = None, cpu_threads: int | None = None,
-                 **_: Any) -> None:
+                 tokenizer: Any = None, **_: Any) -> None:
         from grpo_pipeline.checkpoint import load_tokenizer
 
-        self.tokenizer = load_tokenizer(model_dir)  # a dir without tokenizer fails here, naming the file
+        # the caller's, when it loaded the checkpoint's already (the sample stage: 0.5-0.8 s on 2 cores);
+        # a dir without tokenizer fails here, naming the file
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         t0 = time.perf_counter()
         import torch
@@ -332,14 +334,14 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model_dir: str, *, dtype: str = _DEFAULT.dtype, hf_batch_size: int = _DEFAULT.hf_batch_size,
-                 **_: Any) -> None:
+                 tokenizer: Any = None, **_: Any) -> None:
         import torch
 
         from grpo_pipeline.checkpoint import load_model, load_tokenizer
 
         self._torch = torch
         t0 = time.perf_counter()
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = load_model(model_dir, dtype=dtype, device=self.device).eval()
         self.batch_size = hf_batch_size
@@ -454,12 +456,13 @@ def spec_from(cfg: SamplingConfig, *, n: int | None = None, temperature: float |
     )
 
 
-def backend_for(cfg: SamplingConfig, policy: str, *, seed: int | None = None) -> Backend:
-    """The engine ``cfg`` asks for, serving ``policy``; ``seed`` (default ``cfg.seed``): the engine's own seed."""
+def backend_for(cfg: SamplingConfig, policy: str, *, seed: int | None = None, tokenizer: Any = None) -> Backend:
+    """The engine ``cfg`` asks for, serving ``policy``; ``seed`` (default ``cfg.seed``): the engine's own seed;
+    ``tokenizer``: ``policy``'s, already loaded (else the engine loads it)."""
     return make_backend(
         cfg.backend, policy, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
         enforce_eager=cfg.enforce_eager, seed=cfg.seed if seed is None else seed, in_process=cfg.engine_in_process,
         chunked_prefill=cfg.chunked_prefill, kv_cache_gib=cfg.kv_cache_gib, max_num_seqs=cfg.max_num_seqs,
-        cpu_threads=cfg.cpu_threads, hf_batch_size=cfg.hf_batch_size,
+        cpu_threads=cfg.cpu_threads, hf_batch_size=cfg.hf_batch_size, tokenizer=tokenizer,
     )

@@ -272,6 +272,24 @@ def test_data_parallel_workers_write_shards_equal_to_one_worker(tiny_hf, tiny_mo
     assert pl.scan_parquet(outs[2] / "*.parquet").select(pl.len()).collect().item() == N_PROMPTS * G
 
 
+def test_the_stage_loads_the_tokenizer_once(tiny_model, prompts_file, tmp_path, monkeypatch):
+    """The stage's tokenizer (prompt rendering, the early missing-tokenizer check) is the engine's too."""
+    from grpo_pipeline import checkpoint
+
+    loads = []
+    real = checkpoint.load_tokenizer
+
+    def counting(path):
+        loads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "load_tokenizer", counting)     # the engines import it at start-up
+    monkeypatch.setattr(stage, "load_tokenizer", counting)
+    metrics = stage.run(cfg(backend="hf"), iteration="it0", index=0, policy=tiny_model, prompts_path=prompts_file,
+                        out=str(tmp_path / "it0"), metrics_path=None)
+    assert metrics["completions"] == N_PROMPTS * G and loads == [tiny_model]
+
+
 def test_a_failing_worker_fails_the_run_naming_it(tiny_model, prompts_file, tmp_path):
     broken = tmp_path / "no_weights"  # the tokenizer loads in the stage, the model fails in the workers
     shutil.copytree(tiny_model, broken, ignore=shutil.ignore_patterns("*.safetensors"))

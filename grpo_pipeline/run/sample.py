@@ -107,7 +107,7 @@ def run(cfg: SamplingConfig, *, iteration: str, index: int, policy: str, prompts
                   for rank, (lo, hi) in enumerate(shard_bounds(len(requests), dp))]
         if dp == 1:
             own = backend is None
-            backend = backend_for(cfg, policy) if own else backend
+            backend = backend_for(cfg, policy, tokenizer=tokenizer) if own else backend
             try:
                 stats = sample_shard(backend, shards[0], spec, batch_prompts=cfg.batch_prompts)
             finally:
