@@ -112,7 +112,7 @@ def test_cpu_flags_and_bf16_decision(tmp_path):
 def test_cpu_bf16_probe_measures_this_machine():
     """The real probe: a positive finite ratio, and the decision on this CPU follows it."""
     r = cpu_bf16_speedup()
-    assert 0.01 < r < 100
+    assert 1e-4 < r < 100     # an AVX2-only Zen 3 measures 0.012-0.016 alone and under 0.01 beside other load
     fast, reason = bf16_is_fast(cuda=False, flags=frozenset({"avx512_bf16"}))
     assert fast == (r >= BF16_MIN_SPEEDUP) and f"{r:.2f}x" in reason
 
