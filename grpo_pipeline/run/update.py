@@ -112,11 +112,9 @@ def reference_is_policy(cfg: UpdateConfig, reference: str | None, policy: str, p
 
 
 def _reference_logprobs(cfg: UpdateConfig, reference: str | None, rows: list[Rollout], *, pad_id: int,
-                        ctx: distributed.DistContext, times: dict[str, float],
-                        is_policy: bool = False) -> torch.Tensor | None:
-    """The reference's (N, C_max) log-probs (``None`` without a reference, or when it is the policy:
-    ``is_policy``); its load and pass timed into ``times``."""
-    if not (cfg.beta > 0 and cfg.reference == "sft") or is_policy:
+                        ctx: distributed.DistContext, times: dict[str, float]) -> torch.Tensor | None:
+    """The reference's (N, C_max) log-probs (``None`` without a reference); its load and pass timed into ``times``."""
+    if not (cfg.beta > 0 and cfg.reference == "sft"):
         return None
     if not reference:
         raise ValueError("update.reference is 'sft' but no reference checkpoint was given (--reference)")
@@ -246,8 +244,8 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
         if ref_is_policy and ctx.is_main:
             print(f"[update@{iteration}] reference {reference} holds the policy's weights: pi_ref = pi_old, "
                   "no reference pass", flush=True)
-        ref_lp = _reference_logprobs(cfg, reference, rows, pad_id=pad_id, ctx=ctx, times=times,
-                                     is_policy=ref_is_policy)
+        ref_lp = None if ref_is_policy else _reference_logprobs(cfg, reference, rows, pad_id=pad_id, ctx=ctx,
+                                                                times=times)
 
         t0 = clock(ctx.device)
         model = load_model(policy, dtype="float32", device=distributed.load_device(ctx))
@@ -302,8 +300,8 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                        **phase_times(history, times))
         metrics.update(sequences=len(rows), **left_out, world_size=ctx.world_size,
                        optimizer_state=reason.split(":")[0],
-                       reference_logprobs=("pi_old" if ref_is_policy else "reference pass" if ref_lp is not None
-                                           else "none"))
+                       reference_logprobs=("pi_old" if ref_is_policy or (cfg.beta > 0 and cfg.reference == "old")
+                                           else "reference pass" if ref_lp is not None else "none"))
         if ctx.is_main:
             if steps_path:
                 write_json(steps_path, [{k: _round(k, v) for k, v in h.items()} for h in history])
