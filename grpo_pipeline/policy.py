@@ -96,15 +96,24 @@ class _HeadLogProb(torch.autograd.Function):
         dev = hidden.device.type
         cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
         with torch.autocast(dev, enabled=False):
-            logits = _linear(hidden, weight, bias, cd).float()                      # (n, V)
-            lse = torch.logsumexp(logits, dim=-1)                                    # (n,)
-            picked = logits.gather(-1, labels[:, None]).squeeze(-1) - lse            # (n,)
-            if with_entropy:   # H = lse - sum_v p_v z_v
-                p = torch.softmax(logits, dim=-1)                                    # (n, V)
-                entropy = lse - (p[:, None, :] @ logits[:, :, None]).view(-1)        # (n,)
-                del p
+            # one (n, V) float32 buffer, shifted in place: z - m, m the row max (what logsumexp does in
+            # a temporary); its exponentials give lse and, where asked, the entropy
+            z = _linear(hidden, weight, bias, cd).float()                            # (n, V) logits
+            m = z.amax(dim=-1)                                                       # (n,)
+            z.sub_(m[:, None])                                                       # z - m <= 0
+            z_label = z.gather(-1, labels[:, None]).squeeze(-1)                      # (n,)
+            if with_entropy:   # H = lse - sum_v p_v z_v = log s - sum_v e_v (z_v - m) / s
+                e = z.exp()                                                          # (n, V)
+                s = e.sum(dim=-1)                                                    # (n,)
+                log_s = s.log()
+                entropy = log_s - e.mul_(z).sum(dim=-1) / s    # (n,) a pairwise sum: 4e-7 of float64 (bmm 2e-4)
+                del e
             else:
-                entropy = picked.new_zeros(picked.shape)
+                log_s = z.exp_().sum(dim=-1).log()                                   # z is not needed again
+                entropy = z_label.new_zeros(z_label.shape)
+            del z
+            lse = m + log_s                                                          # (n,) logsumexp
+            picked = z_label - log_s                                                 # (n,) log p(label)
         ctx.cd = cd
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(entropy)

@@ -335,3 +335,51 @@ def test_import_real_smollm2_gguf(tmp_path):
     with torch.no_grad():
         logits = model(**ids).logits  # (1, T, V)
     assert torch.isfinite(logits).all() and logits.shape[-1] == config["vocab_size"]
+
+
+def _file_mapped(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of ``path``'s mappings in this process (Linux /proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and Path(parts[5]) == path.resolve():
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_a_trainable_load_owns_its_weights_and_keeps_them(imported):
+    """``load_model(trainable=True)`` (the update's and SFT's full fine-tuning): no parameter or buffer is a
+    view of the safetensors file's memory map (a write to one would be a copy-on-write fault per page), the
+    values are the checkpoint's, and weights tied to each other stay one tensor."""
+    base, _ = imported
+    ref = load_model(base)
+    model = load_model(base, trainable=True)
+    mapped = _file_mapped(base / "model.safetensors")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        ptr = t.data_ptr()
+        assert not any(lo <= ptr < hi for lo, hi in mapped), f"{name} is still a view of the checkpoint file"
+    for (name, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    lm = torch.nn.Sequential(torch.nn.Embedding(3, 4), torch.nn.Linear(4, 3, bias=False))
+    lm[1].weight = lm[0].weight
+    from grpo_pipeline.checkpoint import own_memory
+
+    own_memory(lm)
+    assert lm[1].weight is lm[0].weight
+
+
+def test_deterministic_mode_does_not_nan_fill_new_tensors(tmp_path):
+    """``run.deterministic`` keeps torch's deterministic kernels but not its NaN fill of every ``torch.empty``
+    (a debugging aid that cost ~1.7 s of W1's update on 2 cores)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import sys, torch; sys.path.insert(0, {str(root)!r}); from grpo_pipeline.run import deterministic; "
+            "deterministic(); print(torch.are_deterministic_algorithms_enabled(), "
+            "torch.utils.deterministic.fill_uninitialized_memory)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False"]

@@ -302,3 +302,30 @@ def test_selective_checkpointing_recomputes_no_matmul(tiny_model):
     assert flops["selective"] == flops[False]
     torch.testing.assert_close(grads["selective"], grads[False], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_head_matches_float64_log_softmax_and_entropy_on_a_large_vocabulary():
+    """The LM head's fused log-prob (``_HeadLogProb``: the logits never leave one chunk buffer) against
+    float64 ``log_softmax`` at a vocabulary and logit scale like SmolLM2's (V = 49152, logits ~10-40):
+    log-probs, entropies (computed from the shifted logits, no ``lse - sum p z`` cancellation) and gradients."""
+    from grpo_pipeline.policy import _HeadLogProb
+
+    g = torch.Generator().manual_seed(3)
+    n, H, V = 96, 64, 49152
+    hidden = torch.randn(n, H, generator=g) + 0.5
+    weight = 0.6 * torch.randn(V, H, generator=g) + 0.3         # a shared offset: logits far from 0
+    labels = torch.randint(0, V, (n,), generator=g)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    logp, ent = _HeadLogProb.apply(h, w, None, labels, True)
+    z = torch.nn.functional.linear(hidden, weight).double()      # the same float32 logits, then float64
+    assert z.abs().mean() > 5                                     # the scale where cancellation showed
+    full = torch.log_softmax(z, dim=-1)                                              # (n, V)
+    torch.testing.assert_close(logp.double(), full.gather(-1, labels[:, None]).squeeze(-1), rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent.double(), -(full.exp() * full).sum(-1), rtol=0, atol=2e-5)  # lse - sum p z: 1.4e-3
+    h64, w64 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    want = torch.log_softmax(h64 @ w64.t(), dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+    logp.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)

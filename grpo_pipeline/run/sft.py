@@ -23,7 +23,7 @@ def run(cfg: SFTConfig, *, base: str, prompts: str, out: str, metrics_path: str 
     tokenizer = load_tokenizer(base)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(base, dtype="float32", device=device)
+    model = load_model(base, dtype="float32", device=device, trainable=True)
     too_long: list[str] = []
     demos = build_demonstrations(problems, tokenizer, max_length=cfg.max_length, source=prompts, skipped=too_long)
     if too_long:

@@ -248,7 +248,9 @@ def run(cfg: UpdateConfig, *, policy: str, reference: str | None, rollouts: str,
                                                                 times=times)
 
         t0 = clock(ctx.device)
-        model = load_model(policy, dtype="float32", device=distributed.load_device(ctx))
+        # full fine-tuning writes every weight: off the file mapping first (FSDP shards copy them anyway)
+        model = load_model(policy, dtype="float32", device=distributed.load_device(ctx),
+                           trainable=cfg.lora is None and cfg.distributed.strategy != "fsdp")
         n_params, head_params = param_counts(model)
         carry = cfg.optimizer_state == "carry"
         state, reason = None, "fresh: update.optimizer_state is 'fresh'"
