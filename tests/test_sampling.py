@@ -433,3 +433,24 @@ def test_rollout_stats_merge_takes_slowest_worker():
     a.merge(b)
     m = a.as_metrics()
     assert m["completion_tokens_per_s"] == 30.0 and m["completion_len_max"] == 12 and m["truncated_share"] == 0.5
+
+
+def test_vllms_per_weight_narrowing_warning_is_dropped_and_nothing_else():
+    """vLLM warns once per weight when a float32 checkpoint is served in bf16 (270 lines per sample stage for
+    SmolLM2); the engine's log filter drops exactly those, from the logger that really emits them."""
+    import logging
+
+    import torch
+    from vllm.model_executor.models import utils as vllm_utils
+
+    from grpo_pipeline.sampling import _QUIET_NARROWING
+
+    assert vllm_utils.logger.name == "vllm.model_executor.models.utils"
+    msg = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+
+    def record(m, args):
+        return logging.LogRecord(vllm_utils.logger.name, logging.WARNING, __file__, 1, m, args, None)
+
+    assert not _QUIET_NARROWING.filter(record(msg, ("lm_head.weight", torch.float32, torch.bfloat16)))
+    assert _QUIET_NARROWING.filter(record(msg, ("lm_head.weight", torch.float64, torch.float32)))
+    assert _QUIET_NARROWING.filter(record("Some other warning %s", ("x",)))
