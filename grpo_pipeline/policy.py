@@ -83,37 +83,57 @@ def _plain_linear_head(model: torch.nn.Module) -> bool:
             and all(getattr(cfg, k, None) in (None, 1, 1.0) for k in odd))
 
 
+HEAD_ROWS_CPU = 64   # rows per block of the head's logits on CPU: 64 x 49152 float32 = 12.6 MB (L3-sized)
+
+
+def head_rows(device: torch.device, n: int) -> int:
+    """Rows of the LM head's logits held at once: a cache-sized block on CPU, the whole chunk elsewhere.
+
+    A (1024, 49152) float32 chunk is 190 MB; each fresh one costs first-touch page faults that, on a VM,
+    outweigh the softmax itself (W1, 2-core AMD EPYC: 180-280 ms per chunk for ``z.exp()``; in 64-row
+    blocks ~25 ms).  On a GPU small blocks would only add kernel launches.
+    """
+    return HEAD_ROWS_CPU if device.type == "cpu" else max(n, 1)
+
+
 class _HeadLogProb(torch.autograd.Function):
     """``log softmax(h W^T + b)[label]`` (n,) float32 and the entropy (n,), keeping only ``h`` for backward.
 
-    Backward recomputes the chunk's logits once and turns them, in place, into the gradient
-    ``dlogp/dz = onehot(label) - softmax(z)``: one ``(n, V)`` float32 buffer, no autograd graph over
-    the vocabulary.  Matmuls run in the autocast dtype when autocast is on (as ``F.linear`` would).
+    The logits are made and used in row blocks (:func:`head_rows`), never as one (n, V) float32 tensor.
+    Backward recomputes each block's logits and turns them, in place, into the gradient
+    ``dlogp/dz = onehot(label) - softmax(z)``, written into one (n, V) buffer of the matmul dtype; no
+    autograd graph over the vocabulary.  Matmuls run in the autocast dtype when autocast is on (as
+    ``F.linear`` would).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, with_entropy: bool):
         dev = hidden.device.type
         cd = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        n = hidden.shape[0]
+        lse, picked, entropy = (torch.zeros(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
         with torch.autocast(dev, enabled=False):
-            # one (n, V) float32 buffer, shifted in place: z - m, m the row max (what logsumexp does in
-            # a temporary); its exponentials give lse and, where asked, the entropy
-            z = _linear(hidden, weight, bias, cd).float()                            # (n, V) logits
-            m = z.amax(dim=-1)                                                       # (n,)
-            z.sub_(m[:, None])                                                       # z - m <= 0
-            z_label = z.gather(-1, labels[:, None]).squeeze(-1)                      # (n,)
-            if with_entropy:   # H = lse - sum_v p_v z_v = log s - sum_v e_v (z_v - m) / s
-                e = z.exp()                                                          # (n, V)
-                s = e.sum(dim=-1)                                                    # (n,)
-                log_s = s.log()
-                entropy = log_s - e.mul_(z).sum(dim=-1) / s    # (n,) a pairwise sum: 4e-7 of float64 (bmm 2e-4)
-                del e
-            else:
-                log_s = z.exp_().sum(dim=-1).log()                                   # z is not needed again
-                entropy = z_label.new_zeros(z_label.shape)
-            del z
-            lse = m + log_s                                                          # (n,) logsumexp
-            picked = z_label - log_s                                                 # (n,) log p(label)
+            hc, wc, bc = _operands(hidden, weight, bias, cd)
+            R = head_rows(hidden.device, n)
+            for r in range(0, n, R):
+                rows = slice(r, r + R)
+                # one (R, V) float32 block, shifted in place: z - m, m the row max (what logsumexp does in
+                # a temporary); its exponentials give lse and, where asked, the entropy
+                z = torch.nn.functional.linear(hc[rows], wc, bc).float()            # (R, V) logits
+                m = z.amax(dim=-1)                                                   # (R,)
+                z.sub_(m[:, None])                                                   # z - m <= 0
+                z_label = z.gather(-1, labels[rows, None]).squeeze(-1)               # (R,)
+                if with_entropy:   # H = lse - sum_v p_v z_v = log s - sum_v e_v (z_v - m) / s
+                    e = z.exp()                                                      # (R, V)
+                    s = e.sum(dim=-1)                                                # (R,)
+                    log_s = s.log()
+                    entropy[rows] = log_s - e.mul_(z).sum(dim=-1) / s   # pairwise sums: 4e-7 of float64
+                    del e
+                else:
+                    log_s = z.exp_().sum(dim=-1).log()                               # z is not needed again
+                del z
+                lse[rows] = m + log_s                                                # (R,) logsumexp
+                picked[rows] = z_label - log_s                                       # (R,) log p(label)
         ctx.cd = cd
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.mark_non_differentiable(entropy)
@@ -122,19 +142,27 @@ class _HeadLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _g_entropy):
         hidden, weight, bias, labels, lse = ctx.saved_tensors
+        n = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
-            grad = _linear(hidden, weight, bias, ctx.cd).float()                     # (n, V) logits
-            grad.sub_(lse[:, None]).exp_().mul_(-g[:, None])                         # -g softmax(z)
-            grad[torch.arange(len(labels), device=grad.device), labels] += g         # + g onehot
-            grad = grad.to(ctx.cd)
-            d_hidden = (grad @ frozen_cast(weight, ctx.cd)).to(hidden.dtype)          # (n, H)
-            d_weight = (grad.t() @ hidden.to(ctx.cd)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+            hc, wc, bc = _operands(hidden, weight, bias, ctx.cd)
+            grad = torch.empty(n, wc.shape[0], dtype=ctx.cd, device=hidden.device)    # (n, V) dlogp/dz
+            R = head_rows(hidden.device, n)
+            for r in range(0, n, R):
+                rows = slice(r, r + R)
+                z = torch.nn.functional.linear(hc[rows], wc, bc).float()            # (R, V) logits again
+                z.sub_(lse[rows, None]).exp_().mul_(-g[rows, None])                  # -g softmax(z)
+                z[torch.arange(z.shape[0], device=z.device), labels[rows]] += g[rows]  # + g onehot
+                grad[rows] = z
+                del z
+            d_hidden = (grad @ wc).to(hidden.dtype)                                  # (n, H)
+            d_weight = (grad.t() @ hc).to(weight.dtype) if ctx.needs_input_grad[1] else None
             d_bias = grad.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return d_hidden, d_weight, d_bias, None, None
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    return torch.nn.functional.linear(x.to(dtype), frozen_cast(w, dtype), None if b is None else b.to(dtype))
+def _operands(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+    """``(x, w, b)`` in the matmul dtype (the frozen weight's cast reused: :func:`frozen_cast`)."""
+    return x.to(dtype), frozen_cast(w, dtype), None if b is None else b.to(dtype)
 
 
 _FROZEN_CASTS: dict[int, tuple] | None = None     # id(weight) -> (key, weight, cast), inside frozen_casts()

@@ -329,3 +329,33 @@ def test_fused_head_matches_float64_log_softmax_and_entropy_on_a_large_vocabular
     want.sum().backward()
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_head_in_row_blocks_matches_float64_for_any_block_size(monkeypatch):
+    """The head's row blocks (``HEAD_ROWS_CPU``) that divide n, do not, exceed it, or are one row: the same
+    log-probs, entropies and gradients as float64, so no row is skipped or counted twice, forward or back."""
+    from grpo_pipeline import policy
+
+    g = torch.Generator().manual_seed(5)
+    n, H, V = 37, 16, 3000
+    hidden = torch.randn(n, H, generator=g)
+    weight = 2 * torch.randn(V, H, generator=g)
+    bias = torch.randn(V, generator=g)
+    labels = torch.randint(0, V, (n,), generator=g)
+    h64, w64, b64 = (t.double().requires_grad_(True) for t in (hidden, weight, bias))
+    full = torch.log_softmax(torch.nn.functional.linear(h64, w64, b64), dim=-1)
+    want = full.gather(-1, labels[:, None]).squeeze(-1)
+    want_ent = -(full.exp() * full).sum(-1).detach()
+    want.sum().backward()
+    for rows in (1, 7, 37, 64):
+        monkeypatch.setattr(policy, "HEAD_ROWS_CPU", rows)
+        h, w, b = (t.clone().requires_grad_(True) for t in (hidden, weight, bias))
+        logp, ent = policy._HeadLogProb.apply(h, w, b, labels, True)
+        torch.testing.assert_close(logp.double(), want.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent.double(), want_ent, rtol=0, atol=1e-5)
+        logp.sum().backward()
+        for got, ref in ((h, h64), (w, w64), (b, b64)):
+            torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+        lp_only, ent0 = policy._HeadLogProb.apply(hidden, weight, bias, labels, False)
+        torch.testing.assert_close(lp_only, logp.detach(), rtol=0, atol=0)
+        assert not ent0.any()

@@ -167,8 +167,8 @@ def test_frozen_head_cast_once_per_call_and_results_unchanged(ckpts, monkeypatch
         monkeypatch.setattr(policy, "frozen_cast", spy)
         history, _ = train(model, rows, cfg, pad_id=0, ref_model=ref, max_tokens=8)
         runs[cached] = ([h["loss"] for h in history], {k: v.clone() for k, v in lora.merged(model).state_dict().items()})
-        # 2 steps x 2 micro-batches x (1 forward + 2 backward uses) + pi_old's pass over step 2's rows
-        assert len(casts) >= 2 * 2 * 3
+        # 2 steps x 2 micro-batches x (1 forward + 1 backward use) + pi_old's pass over step 2's rows
+        assert len(casts) >= 2 * 2 * 2
         if cached:
             assert len(set(casts)) == 1
     assert runs[True][0] == runs[False][0]
